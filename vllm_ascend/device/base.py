@@ -1,0 +1,71 @@
+"""The device interface every layer above ``device/`` calls. Both backends implement it."""
+
+import contextlib
+from abc import ABC, abstractmethod
+
+import torch
+
+
+class DeviceBackend(ABC):
+    name: str  # "npu" or "sim"
+    torch_device_type: str  # torch device string used for tensors
+    dist_backend: str
+    dispatch_key: str
+
+    def __init__(self, reason: str):
+        self.reason = reason  # why this backend was chosen, for the start-up log line
+
+    # -- device facts ---------------------------------------------------------------------------
+    @abstractmethod
+    def device_name(self) -> str: ...
+
+    @abstractmethod
+    def total_memory(self) -> int: ...
+
+    @abstractmethod
+    def memory_in_use(self) -> int:
+        """Bytes of device memory this process holds now."""
+
+    @abstractmethod
+    def stream_budget(self) -> int:
+        """Streams the chip offers to the whole software stack."""
+
+    def torch_device(self, index: int = 0) -> torch.device:
+        return torch.device(self.torch_device_type, index) if self.torch_device_type != "cpu" \
+            else torch.device("cpu")
+
+    def synchronize(self) -> None:
+        pass
+
+    def prepare_process(self) -> None:
+        """Called once per worker process before the model runner is built."""
+
+    def runner_init_context(self):
+        """Context around GPUModelRunner.__init__, which creates CUDA streams and events."""
+        return contextlib.nullcontext()
+
+    # -- operators ------------------------------------------------------------------------------
+    @abstractmethod
+    def fused_infer_attention_score(
+        self, query, key, value, *, actual_seq_lengths, actual_seq_lengths_kv, block_table,
+        block_size, num_heads, num_key_value_heads, scale, input_layout="TND", sparse_mode=3,
+        atten_mask=None, out=None,
+    ) -> torch.Tensor: ...
+
+    @abstractmethod
+    def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping) -> None: ...
+
+    @abstractmethod
+    def rms_norm(self, x, weight, eps) -> torch.Tensor: ...
+
+    @abstractmethod
+    def add_rms_norm(self, x, residual, weight, eps) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (normed, x + residual)."""
+
+    @abstractmethod
+    def swiglu(self, x) -> torch.Tensor:
+        """silu(x[..., :d]) * x[..., d:]"""
+
+    @abstractmethod
+    def rotary_embedding(self, positions, query, key, cos_sin_cache, head_size, is_neox) -> None:
+        """Rotates query and key in place (last dim head_size, rotary dim from the cache)."""

@@ -1,0 +1,73 @@
+"""``npu``: real Ascend chips through torch_npu. The only module that imports torch_npu.
+
+Not exercised by this repository's tests (no machine here has a chip); each call maps 1:1 to the
+torch_npu operator with the contract that the simulator enforces.
+"""
+
+import torch
+import torch_npu  # noqa: F401  (registers torch.npu)
+
+from vllm_ascend.device.base import DeviceBackend
+
+DEFAULT_STREAMS = 2048
+
+
+class NpuBackend(DeviceBackend):
+    name = "npu"
+    torch_device_type = "npu"
+    dist_backend = "hccl"
+    dispatch_key = "PrivateUse1"
+
+    def device_name(self) -> str:
+        return torch.npu.get_device_name(0)
+
+    def total_memory(self) -> int:
+        return torch.npu.get_device_properties(0).total_memory
+
+    def memory_in_use(self) -> int:
+        return torch.npu.memory_allocated()
+
+    def stream_budget(self) -> int:
+        return DEFAULT_STREAMS
+
+    def synchronize(self) -> None:
+        torch.npu.synchronize()
+
+    def fused_infer_attention_score(
+        self, query, key, value, *, actual_seq_lengths, actual_seq_lengths_kv, block_table,
+        block_size, num_heads, num_key_value_heads, scale, input_layout="TND", sparse_mode=3,
+        atten_mask=None, out=None,
+    ):
+        if block_table is not None:  # torch_npu takes paged KV as [blocks, block_size, H*D]
+            key = key.flatten(-2)
+            value = value.flatten(-2)
+        result, _ = torch_npu.npu_fused_infer_attention_score(
+            query, key, value, atten_mask=atten_mask, block_table=block_table,
+            actual_seq_lengths=list(actual_seq_lengths),
+            actual_seq_lengths_kv=list(actual_seq_lengths_kv), num_heads=num_heads,
+            num_key_value_heads=num_key_value_heads, scale=scale, input_layout=input_layout,
+            sparse_mode=sparse_mode, block_size=block_size if block_table is not None else 0,
+        )
+        if out is None:
+            return result
+        out.copy_(result)
+        return out
+
+    def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping):
+        torch_npu._npu_reshape_and_cache(key=key, value=value, key_cache=key_cache,
+                                         value_cache=value_cache, slot_indices=slot_mapping)
+
+    def rms_norm(self, x, weight, eps):
+        return torch_npu.npu_rms_norm(x, weight, eps)[0]
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        normed, _, summed = torch_npu.npu_add_rms_norm(x, residual, weight, eps)
+        return normed, summed
+
+    def swiglu(self, x):
+        return torch_npu.npu_swiglu(x)
+
+    def rotary_embedding(self, positions, query, key, cos_sin_cache, head_size, is_neox):
+        query, key = query.contiguous(), key.contiguous()
+        torch_npu._npu_rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox)
+        return query, key

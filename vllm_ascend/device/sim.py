@@ -1,0 +1,150 @@
+"""``sim``: the CPU simulator of the Ascend device contracts (see sim_ops.py for the kernels)."""
+
+import contextlib
+import os
+
+import psutil
+import torch
+
+from vllm_ascend.device import sim_ops
+from vllm_ascend.device.base import DeviceBackend
+
+MEMORY_ENV = "VLLM_ASCEND_SIM_MEMORY_GB"
+STREAMS_ENV = "VLLM_ASCEND_SIM_STREAMS"
+DEFAULT_STREAMS = 2048  # a 910-class chip's stream budget for the whole software stack
+
+
+class SimBackend(DeviceBackend):
+    name = "sim"
+    torch_device_type = "cpu"
+    dist_backend = "gloo"
+    dispatch_key = "CPU"
+
+    def device_name(self) -> str:
+        return "Ascend simulator (CPU)"
+
+    def total_memory(self) -> int:
+        """The simulated device memory: $VLLM_ASCEND_SIM_MEMORY_GB, default a quarter of RAM."""
+        value = os.environ.get(MEMORY_ENV)
+        if value:
+            try:
+                gb = float(value)
+            except ValueError:
+                gb = -1
+            if gb <= 0:
+                raise ValueError(f"{MEMORY_ENV}={value!r} must be a positive number of GiB")
+            return int(gb * (1 << 30))
+        return psutil.virtual_memory().total // 4
+
+    def memory_in_use(self) -> int:
+        return psutil.Process().memory_info().rss  # the host is the device
+
+    def stream_budget(self) -> int:
+        value = os.environ.get(STREAMS_ENV, str(DEFAULT_STREAMS))
+        if not value.isdigit() or int(value) <= 0:
+            raise ValueError(f"{STREAMS_ENV}={value!r} must be a positive integer")
+        return int(value)
+
+    def prepare_process(self) -> None:
+        # torch has no CPU accelerator, yet vLLM's runner calls torch.accelerator.synchronize /
+        # empty_cache unconditionally (shutdown, profiling clean-up): on the simulator the device
+        # is the host, so there is nothing to wait for or release.
+        def noop(*args, **kwargs):
+            return None
+
+        def empty_cache_noop(*args, **kwargs):  # distinct object: Dynamo keys on identity
+            return None
+
+        torch.accelerator.synchronize = noop
+        torch.accelerator.empty_cache = empty_cache_noop
+        if hasattr(torch.accelerator, "empty_host_cache"):
+            torch.accelerator.empty_host_cache = noop
+
+    @contextlib.contextmanager
+    def runner_init_context(self):
+        """GPUModelRunner.__init__ creates CUDA events/streams for host<->device overlap; the
+        simulator's host and device are one, so they become host no-ops for its duration."""
+
+        class HostEvent:
+            def __init__(self, *args, **kwargs):
+                pass
+
+            def record(self, *args, **kwargs):
+                pass
+
+            def synchronize(self):
+                pass
+
+            def query(self):
+                return True
+
+        class HostStream:
+            def __init__(self, *args, **kwargs):
+                self.device = torch.device("cpu")
+
+            def wait_stream(self, *args, **kwargs):
+                pass
+
+        saved = torch.Event, torch.cuda.Stream, torch.cuda.Event
+        torch.Event, torch.cuda.Stream, torch.cuda.Event = HostEvent, HostStream, HostEvent
+        try:
+            yield
+        finally:
+            torch.Event, torch.cuda.Stream, torch.cuda.Event = saved
+
+    # -- operators ------------------------------------------------------------------------------
+    def fused_infer_attention_score(
+        self, query, key, value, *, actual_seq_lengths, actual_seq_lengths_kv, block_table,
+        block_size, num_heads, num_key_value_heads, scale, input_layout="TND", sparse_mode=3,
+        atten_mask=None, out=None,
+    ):
+        for name, lst in (("actual_seq_lengths", actual_seq_lengths),
+                          ("actual_seq_lengths_kv", actual_seq_lengths_kv)):
+            if not isinstance(lst, (list, tuple)) or not all(isinstance(v, int) for v in lst):
+                raise sim_ops.AscendOpError(
+                    f"When layout is TND, {name} must be a host list of ints "
+                    f"(got {type(lst).__name__}); pass e.g. tensor.tolist() built before the call")
+        result = sim_ops.fia_op(query, key, value, block_table, atten_mask,
+                                list(actual_seq_lengths), list(actual_seq_lengths_kv), num_heads,
+                                num_key_value_heads, float(scale), input_layout, sparse_mode,
+                                block_size)
+        if out is None:
+            return result
+        out.copy_(result)
+        return out
+
+    def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping):
+        sim_ops.reshape_and_cache_op(key, value, key_cache, value_cache, slot_mapping)
+
+    def rms_norm(self, x, weight, eps):
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return (y * weight.float()).to(x.dtype)
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        summed = x + residual
+        return self.rms_norm(summed, weight, eps), summed
+
+    def swiglu(self, x):
+        d = x.shape[-1] // 2
+        return torch.nn.functional.silu(x[..., :d]) * x[..., d:]
+
+    def rotary_embedding(self, positions, query, key, cos_sin_cache, head_size, is_neox):
+        cos, sin = cos_sin_cache.index_select(0, positions.flatten()).chunk(2, dim=-1)
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # [T, 1, rot/2]
+        rot = cos_sin_cache.shape[-1]
+
+        def rotate(x):
+            x = x.view(x.shape[0], -1, head_size)
+            x_rot = x[..., :rot]
+            if is_neox:
+                x1, x2 = x_rot.chunk(2, dim=-1)
+                r = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+            else:
+                x1, x2 = x_rot[..., ::2], x_rot[..., 1::2]
+                r = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+            if rot < head_size:
+                r = torch.cat((r, x[..., rot:]), dim=-1)
+            return r.to(x.dtype).flatten(-2)
+
+        return rotate(query), (rotate(key) if key is not None else None)

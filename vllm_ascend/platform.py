@@ -1,0 +1,151 @@
+"""NPUPlatform: what vLLM asks of a device platform, answered for Ascend (npu or sim)."""
+
+import os
+from typing import TYPE_CHECKING
+
+import torch
+from vllm_ascend.logger import get_logger
+from vllm.platforms.interface import Platform, PlatformEnum
+
+from vllm_ascend import device
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+logger = get_logger(__name__)
+
+ASCEND_BLOCK_SIZE = 128  # the paged-KV block size FIA is used with
+
+
+class NPUPlatform(Platform):
+    _enum = PlatformEnum.OOT
+    # On the simulator tensors live on the CPU: vLLM builds torch.device(f"{device_name}:{i}").
+    device_name: str = device.current.torch_device_type
+    device_type: str = device.current.torch_device_type
+    dispatch_key: str = device.current.dispatch_key
+    dist_backend: str = device.current.dist_backend
+    ray_device_key: str = "NPU"
+    device_control_env_var: str = "ASCEND_RT_VISIBLE_DEVICES"
+    simple_compile_backend: str = "eager"  # no usable Inductor backend on the chip
+    supported_quantization: list[str] = []
+
+    @property
+    def supported_dtypes(self) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.float16, torch.float32]
+
+    @classmethod
+    def get_device_name(cls, device_id: int = 0) -> str:
+        return device.current.device_name()
+
+    @classmethod
+    def get_device_uuid(cls, device_id: int = 0) -> str:
+        return f"{device.current.name}-{device_id}"
+
+    @classmethod
+    def get_device_total_memory(cls, device_id: int = 0) -> int:
+        return device.current.total_memory()
+
+    @classmethod
+    def get_current_memory_usage(cls, dev=None) -> float:
+        return float(device.current.memory_in_use())
+
+    @classmethod
+    def set_device(cls, dev: torch.device) -> None:
+        if device.current.name == "npu":
+            torch.npu.set_device(dev)
+
+    @classmethod
+    def manual_seed_all(cls, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    @classmethod
+    def is_pin_memory_available(cls) -> bool:
+        return device.current.name == "npu"
+
+    @classmethod
+    def import_kernels(cls) -> None:
+        # No vllm._C here: every kernel the plugin needs comes from device/.
+        import vllm_ascend.ops  # noqa: F401  (registers the CustomOp overrides)
+
+    @classmethod
+    def register_triton_kernel_overrides(cls) -> None:
+        from vllm.triton_utils.dispatcher import register_kernels
+
+        from vllm_ascend.worker.kernels import compute_slot_mapping
+
+        register_kernels(
+            {"vllm.v1.worker.block_table.ComputeSlotMappingKernel.kernel": compute_slot_mapping}
+        )
+
+    @classmethod
+    def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None) -> str:
+        from vllm_ascend.attention.backend import AscendAttentionBackend
+
+        if getattr(attn_selector_config, "use_mla", False):
+            raise ValueError(
+                "MLA attention (DeepSeek-style models) is not supported by vllm-ascend yet; "
+                "choose a model with standard multi-head/grouped-query attention."
+            )
+        return f"{AscendAttentionBackend.__module__}.{AscendAttentionBackend.__qualname__}"
+
+    @classmethod
+    def get_device_communicator_cls(cls) -> str:
+        if device.current.name == "sim":
+            return "vllm.distributed.device_communicators.cpu_communicator.CpuCommunicator"
+        return super().get_device_communicator_cls()
+
+    @classmethod
+    def inference_mode(cls):
+        return torch.inference_mode(mode=True)
+
+    @classmethod
+    def support_hybrid_kv_cache(cls) -> bool:
+        return False
+
+    @classmethod
+    def check_and_update_config(cls, vllm_config: "VllmConfig") -> None:
+        from vllm.config import CompilationMode, CUDAGraphMode
+
+        parallel_config = vllm_config.parallel_config
+        if parallel_config.worker_cls == "auto":
+            parallel_config.worker_cls = "vllm_ascend.worker.worker.NPUWorker"
+
+        cache_config = vllm_config.cache_config
+        if cache_config is not None and not cache_config.user_specified_block_size:
+            cache_config.block_size = ASCEND_BLOCK_SIZE
+
+        scheduler_config = vllm_config.scheduler_config
+        if device.current.name == "sim" and scheduler_config.async_scheduling:
+            # Async scheduling overlaps host and device work on separate streams; the simulator
+            # runs both on the host, so it would only add copies.
+            scheduler_config.async_scheduling = False
+
+        compilation_config = vllm_config.compilation_config
+        # Graph mode arrives with the ACL graph wrapper; until then every mode runs eagerly.
+        if compilation_config.mode != CompilationMode.NONE or (
+            compilation_config.cudagraph_mode not in (None, CUDAGraphMode.NONE)
+        ):
+            logger.info("vllm-ascend: graph mode NONE (eager): graph capture is not available "
+                        "in this build.")
+        compilation_config.mode = CompilationMode.NONE
+        compilation_config.cudagraph_mode = CUDAGraphMode.NONE
+        compilation_config.cudagraph_capture_sizes = []
+        if vllm_config.model_config is not None:
+            vllm_config.model_config.enforce_eager = True
+
+        # The CUDA-only fusion passes must stay off on this platform.
+        pass_config = compilation_config.pass_config
+        for name in type(pass_config).model_fields if hasattr(type(pass_config), "model_fields") \
+                else vars(pass_config):
+            if name.startswith("fuse_") or name in ("enable_qk_norm_rope_fusion", "enable_sp"):
+                if isinstance(getattr(pass_config, name, None), (bool, type(None))):
+                    setattr(pass_config, name, False)
+        # The Ascend kernels are CustomOps (forward_oot): keep them on unless the user said no.
+        if "none" not in compilation_config.custom_ops and "all" not in compilation_config.custom_ops:
+            compilation_config.custom_ops.append("all")
+        os.environ.setdefault("VLLM_DISABLE_SHARED_EXPERTS_STREAM", "1")
+
+    @classmethod
+    def log_warnings(cls) -> None:
+        logger.info("vllm-ascend: device backend %s (%s): %s", device.current.name,
+                    device.current.device_name(), device.current.reason)
