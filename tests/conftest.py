@@ -1,0 +1,6 @@
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # scripts.models
+os.environ.setdefault("VLLM_ASCEND_DEVICE", "sim")

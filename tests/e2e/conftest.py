@@ -1,0 +1,124 @@
+"""Shared e2e machinery: engines on the simulator, HF transformers references, comparisons."""
+
+import contextlib
+import functools
+import gc
+import os
+
+import pytest
+
+os.environ.setdefault("VLLM_ASCEND_SIM_MEMORY_GB", "2")  # small simulated device: fast KV alloc
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(callable)
+# Engine cores start by spawn: forking a test process that already ran torch and other engines
+# is not safe.
+os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+
+from scripts.models import smollm2_dir, tiny_model_dir  # noqa: E402
+
+FAMILIES = ["llama", "qwen2", "qwen3", "smollm2"]
+PROMPTS = [
+    "The capital of France is",
+    "Write a short poem about the sea:",
+    "1, 2, 3, 4,",
+]
+# Greedy tokens must match exactly until the first near-tie; logprobs of matching tokens agree
+# within LOGPROB_TOL (fp32 on both sides; measured differences are below 1e-4).
+LOGPROB_TOL = 2e-3
+TOPK = 5
+
+
+def model_path(family: str) -> str:
+    return str(smollm2_dir()) if family == "smollm2" else tiny_model_dir(family)
+
+
+def max_tokens_for(family: str) -> int:
+    return 32 if family == "smollm2" else 16
+
+
+@contextlib.contextmanager
+def engine(model: str, **kwargs):
+    from vllm import LLM
+
+    args = dict(dtype="float32", max_model_len=512, seed=0, max_num_seqs=16)
+    args.update(kwargs)
+    llm = LLM(model, **args)
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+def vllm_greedy(llm, prompts, max_tokens, **kwargs):
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=TOPK, ignore_eos=True,
+                            **kwargs)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [(list(o.outputs[0].token_ids),
+             [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs])
+            for o in outs]
+
+
+@functools.lru_cache(maxsize=None)
+def _hf_model(path):
+    import torch
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.generation_config.eos_token_id = None  # like ignore_eos
+    return tok, model
+
+
+@functools.lru_cache(maxsize=None)
+def hf_greedy(path: str, prompt: str, max_tokens: int):
+    """(tokens, [top-k {token: logprob}]) of HF transformers' greedy generation."""
+    import torch
+
+    tok, model = _hf_model(path)
+    ids = tok(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                             do_sample=False, output_logits=True, return_dict_in_generate=True,
+                             pad_token_id=tok.pad_token_id or 0)
+    tokens = out.sequences[0, ids.shape[1]:].tolist()
+    steps = []
+    for logits in out.logits:
+        lp = torch.log_softmax(logits[0].float(), -1)
+        top = lp.topk(TOPK)
+        steps.append(dict(zip(top.indices.tolist(), top.values.tolist())))
+    return tokens, steps
+
+
+def assert_close_to(reference, actual, label=""):
+    """Greedy tokens equal until a near-tie of the reference; logprobs within LOGPROB_TOL."""
+    (ref_tokens, ref_lps), (tokens, lps) = reference, actual
+    assert len(tokens) == len(ref_tokens), f"{label}: {len(tokens)} tokens, expected {len(ref_tokens)}"
+    for i, (rt, t) in enumerate(zip(ref_tokens, tokens)):
+        if rt == t:
+            if rt in ref_lps[i] and t in lps[i]:
+                assert abs(ref_lps[i][rt] - lps[i][t]) < LOGPROB_TOL, (
+                    f"{label}: token {i} logprob {lps[i][t]:.5f} vs reference {ref_lps[i][rt]:.5f}")
+            continue
+        assert i > 0, f"{label}: first token {t} differs from the reference's {rt}"
+        gap = ref_lps[i][rt] - ref_lps[i].get(t, float("-inf"))
+        assert gap < LOGPROB_TOL, (
+            f"{label}: token {i} is {t}, reference {rt} (not a near-tie: gap {gap:.4f})\n"
+            f"got       {tokens}\nreference {ref_tokens}")
+        break  # the sequences legitimately diverge after a near-tie
+
+
+def check_against_hf(llm, family, prompts=PROMPTS, label=""):
+    path = model_path(family)
+    n = max_tokens_for(family)
+    outs = vllm_greedy(llm, prompts, n)
+    for prompt, out in zip(prompts, outs):
+        assert_close_to(hf_greedy(path, prompt, n), out, f"{label} {family} {prompt!r}")
+    return outs
+
+
+@pytest.fixture(scope="session")
+def paths():
+    return {f: model_path(f) for f in FAMILIES}
