@@ -121,18 +121,16 @@ class NPUPlatform(Platform):
             scheduler_config.async_scheduling = False
 
         compilation_config = vllm_config.compilation_config
-        # Graph mode arrives with the ACL graph wrapper; until then every mode runs eagerly.
-        if compilation_config.mode != CompilationMode.NONE or (
-            compilation_config.cudagraph_mode not in (None, CUDAGraphMode.NONE)
-        ):
-            logger.info("vllm-ascend: graph mode NONE (eager): graph capture is not available "
-                        "in this build.")
-        compilation_config.mode = CompilationMode.NONE
-        compilation_config.cudagraph_mode = CUDAGraphMode.NONE
-        compilation_config.cudagraph_capture_sizes = []
-        if vllm_config.model_config is not None:
-            vllm_config.model_config.enforce_eager = True
-
+        if compilation_config.mode == CompilationMode.VLLM_COMPILE:
+            # No usable Inductor on Ascend: Dynamo splits the model into pieces and each piece
+            # runs as traced (the simulator's graphs record dispatcher ops, which Inductor's
+            # generated kernels would bypass).
+            if compilation_config.backend not in ("", "eager"):
+                logger.info("vllm-ascend: compile backend %r replaced by 'eager' (no Inductor "
+                            "code generation on Ascend)", compilation_config.backend)
+            compilation_config.backend = "eager"
+        compilation_config.cudagraph_num_of_warmups = max(
+            1, compilation_config.cudagraph_num_of_warmups)
         # The CUDA-only fusion passes must stay off on this platform.
         pass_config = compilation_config.pass_config
         for name in type(pass_config).model_fields if hasattr(type(pass_config), "model_fields") \
@@ -144,6 +142,26 @@ class NPUPlatform(Platform):
         if "none" not in compilation_config.custom_ops and "all" not in compilation_config.custom_ops:
             compilation_config.custom_ops.append("all")
         os.environ.setdefault("VLLM_DISABLE_SHARED_EXPERTS_STREAM", "1")
+
+    @classmethod
+    def opaque_attention_op(cls) -> bool:
+        # Attention is one opaque custom op: a splitting point for PIECEWISE graphs, and the
+        # place where FIA reads the step's host lists.
+        return True
+
+    @classmethod
+    def support_static_graph_mode(cls) -> bool:
+        return True
+
+    @classmethod
+    def get_static_graph_wrapper_cls(cls) -> str:
+        return "vllm_ascend.compilation.acl_graph.ACLGraphWrapper"
+
+    def get_global_graph_pool(self):
+        return device.current.global_graph_pool()
+
+    def graph_pool_handle(self):
+        return device.current.graph_pool_handle()
 
     @classmethod
     def log_warnings(cls) -> None:

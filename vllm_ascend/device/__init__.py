@@ -69,4 +69,3 @@ def select_backend(requested: str | None = None) -> DeviceBackend:
 
 current: DeviceBackend = select_backend()
 
-__all__ = ["DeviceBackend", "DeviceSelectionError", "current", "select_backend"]

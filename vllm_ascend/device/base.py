@@ -44,6 +44,34 @@ class DeviceBackend(ABC):
         """Context around GPUModelRunner.__init__, which creates CUDA streams and events."""
         return contextlib.nullcontext()
 
+    # -- graphs -------------------------------------------------------------------------------
+    _global_pool = None
+
+    def global_graph_pool(self):
+        """The pool every graph of this process shares (capture the largest size first)."""
+        if self._global_pool is None:
+            self._global_pool = self.graph_pool_handle()
+        return self._global_pool
+
+    @abstractmethod
+    def graph_pool_handle(self): ...
+
+    @abstractmethod
+    def new_graph(self): ...
+
+    @abstractmethod
+    def graph_capture(self, graph, pool):
+        """Context manager: what runs inside is captured into ``graph``."""
+
+    def graph_finalize(self, graph, outputs) -> None:
+        """After capture: ``outputs`` are the tensors the graph writes on every replay."""
+
+    def weak_ref(self, outputs):
+        return outputs
+
+    @abstractmethod
+    def streams_in_use(self) -> int: ...
+
     # -- operators ------------------------------------------------------------------------------
     @abstractmethod
     def fused_infer_attention_score(

@@ -33,6 +33,23 @@ class NpuBackend(DeviceBackend):
     def synchronize(self) -> None:
         torch.npu.synchronize()
 
+    def graph_pool_handle(self):
+        return torch.npu.graph_pool_handle()
+
+    def new_graph(self):
+        return torch.npu.NPUGraph()
+
+    def graph_capture(self, graph, pool):
+        return torch.npu.graph(graph, pool=pool)
+
+    def weak_ref(self, outputs):
+        from vllm.utils.torch_utils import weak_ref_tensors
+
+        return weak_ref_tensors(outputs)
+
+    def streams_in_use(self) -> int:
+        return -1  # not observable through torch_npu
+
     def fused_infer_attention_score(
         self, query, key, value, *, actual_seq_lengths, actual_seq_lengths_kv, block_table,
         block_size, num_heads, num_key_value_heads, scale, input_layout="TND", sparse_mode=3,

@@ -6,7 +6,7 @@ import os
 import psutil
 import torch
 
-from vllm_ascend.device import sim_ops
+from vllm_ascend.device import sim_graph, sim_ops
 from vllm_ascend.device.base import DeviceBackend
 
 MEMORY_ENV = "VLLM_ASCEND_SIM_MEMORY_GB"
@@ -44,6 +44,31 @@ class SimBackend(DeviceBackend):
         if not value.isdigit() or int(value) <= 0:
             raise ValueError(f"{STREAMS_ENV}={value!r} must be a positive integer")
         return int(value)
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.streams = sim_graph.StreamPool(self.stream_budget)
+
+    # -- graphs ------------------------------------------------------------------------------
+    def graph_pool_handle(self):
+        return sim_graph.GraphPool()
+
+    def new_graph(self):
+        return sim_graph.SimGraph(self.streams)
+
+    def graph_capture(self, graph, pool):
+        return graph.capture(pool)
+
+    def graph_finalize(self, graph, outputs) -> None:
+        graph.finalize(outputs)
+
+    def weak_ref(self, outputs):
+        # The graph owns its output storage (it writes it on every replay), so a plain reference
+        # keeps nothing alive that the graph would not.
+        return outputs
+
+    def streams_in_use(self) -> int:
+        return self.streams.in_use
 
     def prepare_process(self) -> None:
         # torch has no CPU accelerator, yet vLLM's runner calls torch.accelerator.synchronize /
