@@ -32,6 +32,9 @@ _RECORDED_NAMESPACES = {"aten", "prims", "ascend_sim"}
 _NO_REPLAY = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
               torch.ops.aten.empty_like.default, torch.ops.aten.new_empty.default}
 _ALIGN = 64
+# Ops that read a device value on the host: a capture cannot contain them.
+_HOST_SYNCS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default,
+               torch.ops.aten.is_nonzero.default, torch.ops.aten.equal.default}
 
 
 class GraphCaptureError(RuntimeError):
@@ -101,7 +104,7 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.ops.aten._local_scalar_dense.default:
+        if func in _HOST_SYNCS:
             raise GraphCaptureError(
                 "a host synchronisation (.item() / bool(tensor)) happened during graph capture; "
                 "on the chip this fails the capture. Move the host read out of the captured "
