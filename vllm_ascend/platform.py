@@ -1,5 +1,6 @@
 """NPUPlatform: what vLLM asks of a device platform, answered for Ascend (npu or sim)."""
 
+import dataclasses
 import os
 from typing import TYPE_CHECKING
 
@@ -131,6 +132,7 @@ class NPUPlatform(Platform):
             compilation_config.backend = "eager"
         compilation_config.cudagraph_num_of_warmups = max(
             1, compilation_config.cudagraph_num_of_warmups)
+        cls._apply_graph_mode(vllm_config)
         # The CUDA-only fusion passes must stay off on this platform.
         pass_config = compilation_config.pass_config
         for name in type(pass_config).model_fields if hasattr(type(pass_config), "model_fields") \
@@ -162,6 +164,62 @@ class NPUPlatform(Platform):
 
     def graph_pool_handle(self):
         return device.current.graph_pool_handle()
+
+    @classmethod
+    def _apply_graph_mode(cls, vllm_config: "VllmConfig") -> None:
+        """Settle the graph mode and the capture sizes before vLLM's dispatcher, compile sizes
+        and the runner read them, and say what was decided."""
+        from vllm.config import CompilationMode, CUDAGraphMode
+
+        from vllm_ascend.attention.backend import AscendAttentionMetadataBuilder
+        from vllm_ascend.compilation.capture_sizes import (DEFAULT_STREAM_RESERVE,
+                                                           plan_capture_sizes)
+        from vllm_ascend.compilation.modes import ModelKind, resolve_graph_mode
+
+        cc, model_config = vllm_config.compilation_config, vllm_config.model_config
+        if model_config is None:
+            return
+        requested = cc.cudagraph_mode
+        kind = ModelKind.POOLING if model_config.runner_type == "pooling" else ModelKind.DECODER
+        mode, why = resolve_graph_mode(
+            requested, AscendAttentionMetadataBuilder._cudagraph_support,
+            model_config.enforce_eager, kind, cc.mode == CompilationMode.VLLM_COMPILE)
+        cc.cudagraph_mode = mode
+        if mode == CUDAGraphMode.NONE:
+            cc.cudagraph_capture_sizes, cc.max_cudagraph_capture_size = [], 0
+            logger.info("vllm-ascend: graph mode NONE (eager): %s", why)
+            return
+        parallel = vllm_config.parallel_config
+        extra = vllm_config.additional_config or {}
+        spec = vllm_config.speculative_config
+        draft = getattr(spec, "draft_model_config", None) if spec is not None else None
+        plan = plan_capture_sizes(
+            list(cc.cudagraph_capture_sizes or []), mode,
+            model_config.get_num_layers(parallel),
+            tensor_parallel=parallel.tensor_parallel_size,
+            data_parallel=parallel.data_parallel_size,
+            draft_layers=draft.get_num_layers(parallel) if draft is not None else 0,
+            multiple_of=1 + (spec.num_speculative_tokens if spec is not None and
+                             spec.num_speculative_tokens else 0),
+            stream_total=int(extra.get("graph_stream_total", device.current.stream_budget())),
+            stream_reserve=int(extra.get("graph_stream_reserve", DEFAULT_STREAM_RESERVE)))
+        if not extra.get("graph_stream_budget_check", True):
+            # Escape hatch for experiments: capture what was asked, whatever the streams.
+            logger.warning("vllm-ascend: graph_stream_budget_check is off: capture sizes are "
+                           "not checked against the stream budget")
+            plan = dataclasses.replace(plan, mode=mode, kept=sorted(set(
+                cc.cudagraph_capture_sizes)), dropped=[], reason="budget check off")
+        if plan.mode != mode:
+            why += f"; {plan.reason}"
+        cc.cudagraph_mode = plan.mode
+        cc.cudagraph_capture_sizes = plan.kept
+        cc.max_cudagraph_capture_size = max(plan.kept, default=0)
+        logger.info("vllm-ascend: graph mode %s (requested %s): %s", plan.mode.name,
+                    requested.name if requested is not None else "default", why)
+        logger.info(
+            "vllm-ascend: capture sizes %s kept, %s dropped (%s; %d streams per size, "
+            "%d of %d usable streams)", plan.kept, plan.dropped or "none", plan.reason,
+            plan.streams_per_size, plan.streams_needed, plan.usable_streams)
 
     @classmethod
     def log_warnings(cls) -> None:

@@ -1,0 +1,47 @@
+"""A deliberately small stream budget: start-up captures exactly the sizes the budget function
+keeps; forcing every size instead fails capture with 207008 and the advice."""
+
+import os
+
+import pytest
+from vllm.config import CUDAGraphMode
+
+from tests.e2e.conftest import assert_close_to, engine, hf_greedy, model_path, vllm_greedy
+from tests.e2e.test_graph_modes import graph_stats
+from vllm_ascend.compilation.capture_sizes import plan_capture_sizes
+
+SIZES = [1, 2, 4, 8, 16]
+STREAMS = 10  # a 2-layer model costs 3 streams per PIECEWISE size: 3 sizes fit
+
+
+@pytest.fixture
+def small_budget(monkeypatch):
+    monkeypatch.setenv("VLLM_ASCEND_SIM_STREAMS", str(STREAMS))  # read by the engine process
+
+
+def start(**extra):
+    return engine(model_path("llama"), max_num_seqs=16, additional_config={
+        "graph_stream_reserve": 0, **extra}, compilation_config={
+        "cudagraph_mode": "PIECEWISE", "cudagraph_capture_sizes": SIZES})
+
+
+def test_small_budget_captures_exactly_the_kept_sizes(small_budget):
+    plan = plan_capture_sizes(SIZES, CUDAGraphMode.PIECEWISE, 2, stream_total=STREAMS,
+                              stream_reserve=0)
+    assert plan.kept == [1, 4, 16] and plan.streams_needed == 9
+    with start() as llm:
+        assert llm.llm_engine.vllm_config.compilation_config.cudagraph_capture_sizes == plan.kept
+        stats = graph_stats(llm)
+        assert stats["captured"] == {"PIECEWISE": plan.streams_needed}
+        assert stats["streams_in_use"] == plan.streams_needed
+        prompt = "The capital of France is"
+        assert_close_to(hf_greedy(model_path("llama"), prompt, 8), vllm_greedy(llm, [prompt], 8)[0])
+
+
+def test_forcing_every_size_fails_capture_with_207008_and_advice(small_budget, capfd):
+    with pytest.raises(RuntimeError):
+        with start(graph_stream_budget_check=False):
+            pass
+    err = capfd.readouterr().err
+    assert "207008" in err and "stream resources are insufficient" in err
+    assert "Capture fewer graphs: lower the capture sizes" in err
