@@ -23,6 +23,7 @@ from vllm.v1.attention.backends.registry import register_backend
 from vllm.v1.kv_cache_interface import KVCacheLayout
 
 from vllm_ascend import device
+from vllm_ascend.attention.graph_params import GRAPH_PARAMS, FIACall, pad_for_graph
 from vllm_ascend.device.sim_ops import ATTEN_MASK_SIZE
 
 BACKEND_NAME = "ASCEND"
@@ -57,35 +58,53 @@ def split_kv_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class AscendAttentionMetadataBuilder(AttentionMetadataBuilder[AscendMetadata]):
-    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    # FIA runs inside FULL graphs for any batch: its host lists are re-issued before each replay
+    # (graph_params.GraphParams.update) and the metadata is padded to the captured batch.
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.ALWAYS
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device_):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device_)
         self.atten_mask = torch.ones(ATTEN_MASK_SIZE, ATTEN_MASK_SIZE, dtype=torch.bool,
                                      device=device_).triu_(1)
         self._init_reorder_batch_threshold(1)
+        sched = vllm_config.scheduler_config
+        self.block_size = kv_cache_spec.block_size
+        self.max_blocks = -(-vllm_config.model_config.max_model_len // self.block_size)
+        # Block table rows for a full batch plus the dummy request (persistent: FULL graphs
+        # read it at its captured address).
+        self.block_table = torch.zeros(sched.max_num_seqs + 1, self.max_blocks,
+                                       dtype=torch.int32, device=device_)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> AscendMetadata:
         cam = common_attn_metadata
-        num_reqs = cam.num_reqs
-        cu_q = cam.query_start_loc_cpu[1: num_reqs + 1].tolist()
+        num_reqs = cam.num_reqs  # padded to the graph's batch in FULL mode
+        qsl = cam.query_start_loc_cpu[: num_reqs + 1].tolist()
+        q_lens = [b - a for a, b in zip(qsl, qsl[1:])]
         seq_lens = cam.seq_lens_cpu_upper_bound
         seq_lens = (seq_lens if seq_lens is not None else cam.seq_lens)[:num_reqs].tolist()
-        q_lens = [b - a for a, b in zip([0] + cu_q[:-1], cu_q)]
-        if all(q == s for q, s in zip(q_lens, seq_lens)):
+        # Scheduled requests have tokens; the runner's graph padding appends empty ones.
+        num_real = next((i for i, q in enumerate(q_lens) if q == 0), num_reqs)
+        real_q, real_kv = q_lens[:num_real], seq_lens[:num_real]
+        if all(q == s for q, s in zip(real_q, real_kv)):
             state = AscendAttentionState.PREFILL_NO_CACHE
-        elif cam.max_query_len == 1:
+        elif max(real_q, default=0) <= 1:
             state = AscendAttentionState.DECODE_ONLY
         else:
             state = AscendAttentionState.CHUNKED_PREFILL
+        cu_q, kv_lens = pad_for_graph(q_lens, seq_lens, num_real, cam.num_actual_tokens,
+                                      self.max_blocks * self.block_size)
+        block_table = self.block_table[: num_reqs + 1]
+        block_table[:num_reqs].copy_(cam.block_table_tensor[:num_reqs])
+        block_table[num_reqs:].zero_()  # the dummy reads the null block
+        block_table[num_real:num_reqs].zero_()
         return AscendMetadata(
             num_actual_tokens=cam.num_actual_tokens,
             num_reqs=num_reqs,
             attn_state=state,
             actual_seq_lengths_q=cu_q,
-            seq_lens_list=seq_lens,
-            block_table=cam.block_table_tensor[:num_reqs],
+            seq_lens_list=kv_lens,
+            block_table=block_table,
             slot_mapping=cam.slot_mapping,
             atten_mask=self.atten_mask,
             max_query_len=cam.max_query_len,
@@ -122,25 +141,31 @@ class AscendAttentionImpl(AttentionImpl):
                 output: torch.Tensor, output_scale=None, output_block_scale=None):
         if attn_metadata is None:  # profiling run: no metadata, nothing to attend to
             return output.fill_(0)
-        n = attn_metadata.num_actual_tokens  # the input may be padded: FIA takes real tokens
+        # PIECEWISE/eager pass real tokens only; FULL graphs pass the padded count, which the
+        # metadata covers with fake requests (FIA's TND check: tokens == last cumulative length).
+        n = attn_metadata.num_actual_tokens
         query = query[:n].view(n, self.num_heads, self.head_size)
-        common = dict(actual_seq_lengths=attn_metadata.actual_seq_lengths_q,
-                      num_heads=self.num_heads, num_key_value_heads=self.num_kv_heads,
-                      scale=self.scale, input_layout="TND", sparse_mode=3,
-                      atten_mask=attn_metadata.atten_mask)
-        if attn_metadata.attn_state == AscendAttentionState.PREFILL_NO_CACHE:
-            # KV of this step only: no need to read the cache back.
-            out = device.current.fused_infer_attention_score(
-                query, key[:n].view(n, self.num_kv_heads, self.head_size),
-                value[:n].view(n, self.num_kv_heads, self.head_size),
-                actual_seq_lengths_kv=attn_metadata.actual_seq_lengths_q, block_table=None,
-                block_size=0, **common)
+        out = output[:n].view(n, self.num_heads, self.head_size)
+        key_cache, value_cache = split_kv_cache(kv_cache)
+        # Always paged: the KV update has already written this step's keys, and a FULL graph
+        # needs the same operator whatever the batch it replays.
+        args = dict(actual_seq_lengths=attn_metadata.actual_seq_lengths_q,
+                    actual_seq_lengths_kv=attn_metadata.seq_lens_list,
+                    block_table=attn_metadata.block_table, block_size=key_cache.shape[1],
+                    num_heads=self.num_heads, num_key_value_heads=self.num_kv_heads,
+                    scale=self.scale, input_layout="TND", sparse_mode=3,
+                    atten_mask=attn_metadata.atten_mask)
+        backend = device.current
+        if GRAPH_PARAMS.capturing and backend.is_capturing():
+            backend.task_group_begin()
+            backend.fused_infer_attention_score(query, key_cache, value_cache, out=out, **args)
+            GRAPH_PARAMS.record(FIACall(
+                handle=backend.task_group_end(), query=query, key_cache=key_cache,
+                value_cache=value_cache, block_table=attn_metadata.block_table,
+                atten_mask=attn_metadata.atten_mask, out=out, num_heads=self.num_heads,
+                num_kv_heads=self.num_kv_heads, scale=self.scale))
         else:
-            key_cache, value_cache = split_kv_cache(kv_cache)
-            out = device.current.fused_infer_attention_score(
-                query, key_cache, value_cache, actual_seq_lengths_kv=attn_metadata.seq_lens_list,
-                block_table=attn_metadata.block_table, block_size=key_cache.shape[1], **common)
-        output[:n].view(n, self.num_heads, self.head_size).copy_(out)
+            backend.fused_infer_attention_score(query, key_cache, value_cache, out=out, **args)
         return output
 
 

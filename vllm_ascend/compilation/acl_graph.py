@@ -46,6 +46,19 @@ class GraphStats:
 STATS = GraphStats()
 
 
+class GraphHooks:
+    """What the owner of a wrapper does around its captures and replays (default: nothing)."""
+
+    def capture_begin(self, desc) -> None:
+        pass
+
+    def capture_end(self) -> None:
+        pass
+
+    def before_replay(self, desc) -> None:
+        pass
+
+
 @dataclasses.dataclass
 class _Entry:
     graph: Any
@@ -75,7 +88,7 @@ class ACLGraphWrapper:
             instance.clear_graphs()
 
     def __init__(self, runnable, vllm_config: VllmConfig, runtime_mode: CUDAGraphMode,
-                 cudagraph_options=None, **kwargs):
+                 cudagraph_options=None, hooks: "GraphHooks | None" = None, **kwargs):
         assert runtime_mode != CUDAGraphMode.NONE
         self.runnable = runnable
         self.vllm_config = vllm_config
@@ -83,6 +96,7 @@ class ACLGraphWrapper:
         self.gc_disable = bool(cudagraph_options and cudagraph_options.gc_disable)
         self.graph_pool = device.current.global_graph_pool()
         self.entries: dict = {}
+        self.hooks = hooks or GraphHooks()
         ACLGraphWrapper._all_instances.add(self)
 
     def __getattr__(self, key: str) -> Any:
@@ -115,6 +129,7 @@ class ACLGraphWrapper:
                 f"{self.runtime_mode.name} graph for {desc} replayed with inputs at other "
                 f"addresses than at capture ({addresses} vs {entry.input_addresses}): the graph "
                 "would read stale buffers. Inputs must live in the runner's persistent buffers.")
+        self.hooks.before_replay(desc)
         entry.graph.replay()
         STATS.replayed[mode.name] = STATS.replayed.get(mode.name, 0) + 1
         return entry.output
@@ -127,12 +142,15 @@ class ACLGraphWrapper:
             if self.gc_disable:  # one gc per forward is enough while capturing many pieces
                 stack.enter_context(patch("gc.collect", lambda *a, **k: None))
             try:
+                self.hooks.capture_begin(desc)
                 with backend.graph_capture(graph, self.graph_pool):
                     output = self.runnable(*args, **kwargs)
             except Exception as e:
                 if STREAM_EXHAUSTED in str(e):  # the chip's (and simulator's) error code
                     raise GraphCaptureFailed(capture_advice(e, self.runtime_mode)) from e
                 raise
+            finally:
+                self.hooks.capture_end()
         backend.graph_finalize(graph, output)
         self.entries[desc] = _Entry(graph, backend.weak_ref(output), _input_addresses(args))
         compilation_counter.num_cudagraph_captured += 1

@@ -72,6 +72,27 @@ class DeviceBackend(ABC):
     @abstractmethod
     def streams_in_use(self) -> int: ...
 
+    @abstractmethod
+    def is_capturing(self) -> bool: ...
+
+    @abstractmethod
+    def new_stream(self): ...
+
+    # An op issued between task_group_begin/end during capture is addressable by the returned
+    # handle; re-issuing it between task_update_begin(handle)/task_update_end replaces its host
+    # arguments for the next replay.
+    @abstractmethod
+    def task_group_begin(self, stream=None) -> None: ...
+
+    @abstractmethod
+    def task_group_end(self, stream=None): ...
+
+    @abstractmethod
+    def task_update_begin(self, stream, handle) -> None: ...
+
+    @abstractmethod
+    def task_update_end(self, stream=None) -> None: ...
+
     # -- operators ------------------------------------------------------------------------------
     @abstractmethod
     def fused_infer_attention_score(

@@ -50,6 +50,24 @@ class NpuBackend(DeviceBackend):
     def streams_in_use(self) -> int:
         return -1  # not observable through torch_npu
 
+    def is_capturing(self) -> bool:
+        return torch.npu.is_current_stream_capturing()
+
+    def new_stream(self):
+        return torch.npu.Stream()
+
+    def task_group_begin(self, stream=None) -> None:
+        torch.npu.graph_task_group_begin(stream or torch.npu.current_stream())
+
+    def task_group_end(self, stream=None):
+        return torch.npu.graph_task_group_end(stream or torch.npu.current_stream())
+
+    def task_update_begin(self, stream, handle) -> None:
+        torch.npu.graph_task_update_begin(stream, handle)
+
+    def task_update_end(self, stream=None) -> None:
+        torch.npu.graph_task_update_end(stream)
+
     def fused_infer_attention_score(
         self, query, key, value, *, actual_seq_lengths, actual_seq_lengths_kv, block_table,
         block_size, num_heads, num_key_value_heads, scale, input_layout="TND", sparse_mode=3,

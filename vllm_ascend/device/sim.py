@@ -48,6 +48,7 @@ class SimBackend(DeviceBackend):
     def __init__(self, reason: str):
         super().__init__(reason)
         self.streams = sim_graph.StreamPool(self.stream_budget)
+        self._updating = None  # the task-group handle an update is being issued for
 
     # -- graphs ------------------------------------------------------------------------------
     def graph_pool_handle(self):
@@ -69,6 +70,28 @@ class SimBackend(DeviceBackend):
 
     def streams_in_use(self) -> int:
         return self.streams.in_use
+
+    def is_capturing(self) -> bool:
+        return sim_graph.SimGraph.capturing is not None
+
+    def new_stream(self):
+        return object()  # the host runs every stream in order; streams only name the update's
+
+    def task_group_begin(self, stream=None) -> None:
+        sim_graph.SimGraph.capturing.task_group_begin()
+
+    def task_group_end(self, stream=None):
+        return sim_graph.SimGraph.capturing.task_group_end()
+
+    def task_update_begin(self, stream, handle) -> None:
+        if self._updating is not None:
+            raise sim_graph.TaskUpdateError("task updates do not nest")
+        self._updating = handle
+
+    def task_update_end(self, stream=None) -> None:
+        if self._updating is None:
+            raise sim_graph.TaskUpdateError("task_update_end without task_update_begin")
+        self._updating = None
 
     def prepare_process(self) -> None:
         # torch has no CPU accelerator, yet vLLM's runner calls torch.accelerator.synchronize /
@@ -129,10 +152,16 @@ class SimBackend(DeviceBackend):
                 raise sim_ops.AscendOpError(
                     f"When layout is TND, {name} must be a host list of ints "
                     f"(got {type(lst).__name__}); pass e.g. tensor.tolist() built before the call")
-        result = sim_ops.fia_op(query, key, value, block_table, atten_mask,
-                                list(actual_seq_lengths), list(actual_seq_lengths_kv), num_heads,
-                                num_key_value_heads, float(scale), input_layout, sparse_mode,
-                                block_size)
+        args = (query, key, value, block_table, atten_mask, list(actual_seq_lengths),
+                list(actual_seq_lengths_kv), num_heads, num_key_value_heads, float(scale),
+                input_layout, sparse_mode, block_size)
+        if self._updating is not None:
+            # Re-issued between task_update_begin/end: not launched, it re-parameterises the
+            # captured node of the handle's task group for the next replay.
+            graph, group = self._updating
+            graph.stage_update(group, sim_ops.fia_op, args)
+            return out
+        result = sim_ops.fia_op(*args)
         if out is None:
             return result
         out.copy_(result)

@@ -176,8 +176,14 @@ def _tensors(tree) -> list[torch.Tensor]:
     return [x for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]
 
 
+class TaskUpdateError(RuntimeError):
+    pass
+
+
 class SimGraph:
     """torch.npu.NPUGraph's contract on the CPU: capture(pool) / replay() / reset()."""
+
+    capturing: "SimGraph | None" = None  # the graph being captured in this process, if any
 
     def __init__(self, streams: StreamPool):
         self._streams = streams
@@ -188,6 +194,7 @@ class SimGraph:
         self.scratch_bytes = 0
         self.num_groups = 0
         self._group_nodes: dict[int, list[int]] = {}
+        self._pending: dict[int, tuple] = {}
         self._recorder = None
 
     # -- capture ------------------------------------------------------------------------------
@@ -202,6 +209,8 @@ class SimGraph:
         self._inference = torch.is_inference_mode_enabled()
         recorder = _Recorder()
         self._recorder = recorder
+        self._next_group = 0
+        SimGraph.capturing = self
         saved_tolist = torch.Tensor.tolist
         torch.Tensor.tolist = _tolist_during_capture
         ok = False
@@ -211,15 +220,16 @@ class SimGraph:
             ok = True
         finally:
             torch.Tensor.tolist = saved_tolist
+            SimGraph.capturing = None
             self._recorder = None
             if not ok:
                 self.reset()
-        self._pending = (recorder.nodes, pool or GraphPool())
+        self._captured = (recorder.nodes, pool or GraphPool())
 
     def finalize(self, outputs) -> None:
         """Freeze the record; ``outputs`` (any pytree of tensors) keep their storage."""
-        nodes, pool = self._pending
-        del self._pending
+        nodes, pool = self._captured
+        del self._captured
         self._freeze(nodes, pool, _tensors(outputs))
 
     def _freeze(self, nodes: list[_Node], pool: GraphPool, outputs: list[torch.Tensor]):
@@ -316,39 +326,33 @@ class SimGraph:
         arena = pool.arena_for(top)
         self.scratch_bytes = top
 
-        # Rebind: each internal tensor becomes a tensor over its new storage.
-        new: dict[int, torch.Tensor] = {}
+        # Rebind in place: each internal tensor object now views its bytes in the arena, so the
+        # objects seen at capture (and kept by callers, e.g. for task updates) are the graph's.
         ctx = torch.inference_mode() if self._inference else contextlib.nullcontext()
+        storage = arena.untyped_storage()
         with ctx:
             for r, off in offset_of.items():
                 t = root_tensor[r]
-                elem = off // t.element_size()
-                fresh = torch.empty(0, dtype=t.dtype)
-                fresh.set_(arena.untyped_storage(), elem + t.storage_offset(), t.size(), t.stride())
-                new[r] = fresh
-
-            def resolve(x):
-                return new.get(id(x), x) if isinstance(x, torch.Tensor) else x
-
+                t.set_(storage, off // t.element_size() + t.storage_offset(), t.size(), t.stride())
             calls = []
             for node in nodes:
-                args = tree_map(resolve, node.args)
-                kwargs = tree_map(resolve, node.kwargs)
                 outs = _tensors(node.outs)
                 if node.kind == "view":
-                    # Re-derive the view over the (fixed) new storage, once.
-                    again = _tensors(node.func(*args, **kwargs))
-                    for o, a in zip(outs, again):
-                        if id(o) not in new and id(o) in produced:
-                            new[id(o)] = a if root_of.get(id(o)) in offset_of else o
+                    # Re-derive views of moved storage once; replay never recomputes them.
+                    if any(root_of.get(id(o)) in offset_of for o in outs):
+                        again = _tensors(node.func(*node.args, **node.kwargs))
+                        for o, a in zip(outs, again):
+                            if root_of.get(id(o)) in offset_of:
+                                o.set_(a.untyped_storage(), a.storage_offset(), a.size(),
+                                       a.stride())
                     continue
                 if node.kind == "mutate":
-                    calls.append((node.func, args, kwargs, node.group))
+                    calls.append((node.func, node.args, node.kwargs, node.group))
                     continue
                 if node.func in _NO_REPLAY:
                     continue
-                targets = [new.get(id(o), o) for o in outs]
-                calls.append(self._compute_call(node.func, args, kwargs, targets, node.group))
+                calls.append(self._compute_call(node.func, node.args, node.kwargs, outs,
+                                                node.group))
         self._calls = calls
         self._group_nodes = {}
         for k, (_, _, _, group) in enumerate(calls):
@@ -377,10 +381,55 @@ class SimGraph:
         run_then_copy.func = func
         return (run_then_copy, args, kwargs, group)
 
+    # -- task groups and updates --------------------------------------------------------------
+    def task_group_begin(self) -> None:
+        if self._recorder is None:
+            raise TaskUpdateError("task_group_begin outside a graph capture")
+        if self._recorder.group is not None:
+            raise TaskUpdateError("task groups do not nest")
+        self._recorder.group = self._next_group
+        self._next_group += 1
+
+    def task_group_end(self) -> tuple["SimGraph", int]:
+        group, self._recorder.group = self._recorder.group, None
+        if group is None:
+            raise TaskUpdateError("task_group_end without task_group_begin")
+        return (self, group)
+
+    def stage_update(self, group: int, func, args: tuple) -> None:
+        """Replace the host arguments of the group's ``func`` node for the next replay.
+
+        Tensor arguments must be the captured ones (same address and shape): only host values
+        can change. The update lands on the update stream; the node waits for it at the next
+        replay, and a second update before that replay consumed the first is an ordering bug.
+        """
+        calls = [k for k in self._group_nodes.get(group, ()) if
+                 getattr(self._calls[k][0], "func", self._calls[k][0]) is func]
+        if len(calls) != 1:
+            raise TaskUpdateError(f"task group {group} holds {len(calls)} {func} nodes, not 1")
+        k = calls[0]
+        fn, old_args, kwargs, _ = self._calls[k]
+        for new, old in zip(args, old_args):
+            if isinstance(old, torch.Tensor) != isinstance(new, torch.Tensor) or (
+                    isinstance(old, torch.Tensor) and (old.data_ptr() != new.data_ptr()
+                                                       or old.shape != new.shape)):
+                raise TaskUpdateError(
+                    "a task update may change host arguments only; a tensor argument moved "
+                    "or changed shape since capture")
+        if k in self._pending:
+            raise TaskUpdateError(
+                "a second task update reached the graph before a replay consumed the first: "
+                "the update stream must wait for the previous replay (event ordering)")
+        self._pending[k] = (fn, tuple(args), kwargs, group)
+
     # -- replay -------------------------------------------------------------------------------
     def replay(self) -> None:
         if not self._calls:
             raise GraphCaptureError("replay() of a graph that holds no capture")
+        if self._pending:  # the attention nodes wait for their updates, then consume them
+            for k, call in self._pending.items():
+                self._calls[k] = call
+            self._pending.clear()
         if self._inference:
             with torch.inference_mode():
                 for fn, args, kwargs, _ in self._calls:
@@ -392,6 +441,7 @@ class SimGraph:
     def reset(self) -> None:
         self._calls = []
         self._group_nodes = {}
+        self._pending = {}
         if self._holds_stream:
             self._holds_stream = False
             self._streams.release()

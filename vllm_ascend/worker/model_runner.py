@@ -4,21 +4,63 @@ import time
 
 import torch
 from vllm.compilation.monitor import set_cudagraph_capturing_enabled
+from vllm.compilation.cuda_graph import CUDAGraphWrapper
 from vllm.config import CUDAGraphMode
+from vllm.forward_context import get_forward_context
 from vllm.v1.worker.workspace import lock_workspace
 from vllm_ascend.logger import get_logger
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm_ascend import device
-from vllm_ascend.compilation.acl_graph import STATS
+from vllm_ascend.attention.graph_params import GRAPH_PARAMS
+from vllm_ascend.compilation.acl_graph import STATS, ACLGraphWrapper, GraphHooks
 
 logger = get_logger(__name__)
+
+
+class FIAGraphHooks(GraphHooks):
+    """FULL graphs: keep each layer's FIA handle at capture; re-issue the step's host lists
+    (cumulative query lengths, KV lengths) through task updates before every replay."""
+
+    def __init__(self, runner: "NPUModelRunner"):
+        self.skip_update = bool((runner.vllm_config.additional_config or {}).get(
+            "debug_skip_fia_update", False))
+        if self.skip_update:
+            logger.warning("vllm-ascend: debug_skip_fia_update is set: FULL graphs replay the "
+                           "capture's attention lengths and will produce wrong tokens")
+
+    def capture_begin(self, desc) -> None:
+        GRAPH_PARAMS.begin_capture(desc)
+
+    def capture_end(self) -> None:
+        GRAPH_PARAMS.end_capture()
+
+    def before_replay(self, desc) -> None:
+        if self.skip_update:
+            return
+        metadata = get_forward_context().attn_metadata
+        if isinstance(metadata, list):  # micro-batches are not used on Ascend
+            raise NotImplementedError("micro-batched FULL graphs are not supported")
+        GRAPH_PARAMS.update(desc, next(iter(metadata.values())))
 
 
 class NPUModelRunner(GPUModelRunner):
     def __init__(self, vllm_config, device_: torch.device):
         with device.current.runner_init_context():
             super().__init__(vllm_config, device_)
+
+    def load_model(self, load_dummy_weights: bool = False) -> None:
+        super().load_model(load_dummy_weights=load_dummy_weights)
+        # Upstream hard-codes its CUDA graph wrapper for FULL modes: swap in the ACL one, whose
+        # hooks record each layer's FIA task group at capture and update it before each replay.
+        if isinstance(self.model, CUDAGraphWrapper):
+            self.model = ACLGraphWrapper(self.model.runnable, self.vllm_config,
+                                         CUDAGraphMode.FULL, hooks=FIAGraphHooks(self))
+
+    def get_model(self):
+        # Upstream unwraps only its own wrapper types.
+        model = super().get_model()
+        return model.unwrap() if isinstance(model, ACLGraphWrapper) else model
 
     def capture_model(self) -> int:
         """Capture every (mode, batch descriptor) the dispatcher asks for, largest first.
