@@ -8,7 +8,8 @@ from tests.e2e.conftest import (FAMILIES, PROMPTS, assert_close_to, engine, hf_g
                                 max_tokens_for, model_path, vllm_greedy)
 
 CAPTURE_SIZES = [1, 2, 4]
-MODES = ["PIECEWISE"]
+MODES = ["PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]  # NONE: test_eager.py
+MAX_NUM_SEQS = 8
 
 
 def graph_stats(llm) -> dict:
@@ -28,7 +29,7 @@ def num_layers(llm) -> int:
                 ids=lambda p: f"{p[0]}-{p[1]}")
 def graph_llm(request):
     family, mode = request.param
-    with engine(model_path(family), max_num_seqs=8, compilation_config={
+    with engine(model_path(family), max_num_seqs=MAX_NUM_SEQS, compilation_config={
             "cudagraph_mode": mode, "cudagraph_capture_sizes": CAPTURE_SIZES}) as llm:
         yield family, mode, llm
 
@@ -43,8 +44,12 @@ def test_graphs_captured_per_piece_and_size(graph_llm):
     family, mode, llm = graph_llm
     assert llm.llm_engine.vllm_config.compilation_config.cudagraph_mode.name == mode
     stats = graph_stats(llm)
-    if mode == "PIECEWISE":  # one graph per piece (layers + 1) per capture size
-        assert stats["captured"] == {"PIECEWISE": (num_layers(llm) + 1) * len(CAPTURE_SIZES)}
+    pieces = (num_layers(llm) + 1) * len(CAPTURE_SIZES)  # one graph per piece per size
+    full = len(CAPTURE_SIZES)  # one FULL graph per size (all sizes <= max_num_seqs here)
+    expected = {"PIECEWISE": {"PIECEWISE": pieces}, "FULL": {"FULL": full},
+                "FULL_DECODE_ONLY": {"FULL": full},
+                "FULL_AND_PIECEWISE": {"PIECEWISE": pieces, "FULL": full}}[mode]
+    assert stats["captured"] == expected
     assert stats["streams_in_use"] == sum(stats["captured"].values())
 
 

@@ -138,3 +138,36 @@ def test_graph_wrapper_refuses_inputs_at_other_addresses():
         with pytest.raises(RuntimeError, match="inputs at other addresses"):
             wrapper(x.clone())
     wrapper.clear_graphs()
+
+
+def test_task_update_replaces_host_lists_for_the_next_replay_only_once_per_replay():
+    from vllm_ascend.device.sim_graph import TaskUpdateError
+
+    q = torch.randn(1, 2, 8)
+    k, v = torch.randn(2, 16, 2, 8), torch.randn(2, 16, 2, 8)
+    table = torch.tensor([[1]], dtype=torch.int32)
+    mask = torch.ones(ATTEN_MASK_SIZE, ATTEN_MASK_SIZE, dtype=torch.bool).triu(1)
+    out = torch.empty(1, 2, 8)
+    args = dict(actual_seq_lengths=[1], block_table=table, block_size=16, num_heads=2,
+                num_key_value_heads=2, scale=0.5, atten_mask=mask)
+    g = SimGraph(sim.streams)
+    with g.capture():
+        sim.task_group_begin()
+        sim.fused_infer_attention_score(q, k, v, actual_seq_lengths_kv=[3], out=out, **args)
+        handle = sim.task_group_end()
+    g.finalize(out)
+    expected = sim.fused_infer_attention_score(q, k, v, actual_seq_lengths_kv=[9], **args)
+    sim.task_update_begin(None, handle)
+    sim.fused_infer_attention_score(q, k, v, actual_seq_lengths_kv=[9], out=out, **args)
+    sim.task_update_end(None)
+    with pytest.raises(TaskUpdateError, match="before a replay consumed the first"):
+        sim.task_update_begin(None, handle)
+        try:
+            sim.fused_infer_attention_score(q, k, v, actual_seq_lengths_kv=[5], out=out, **args)
+        finally:
+            sim.task_update_end(None)
+    g.replay()
+    torch.testing.assert_close(out, expected)  # the update landed before attention ran
+    g.replay()
+    torch.testing.assert_close(out, expected)  # and stays until the next update
+    g.reset()
