@@ -27,6 +27,14 @@ LOGPROB_TOL = 2e-3
 TOPK = 5
 
 
+OUR_CLASSES = {"llama": "AscendLlamaForCausalLM", "smollm2": "AscendLlamaForCausalLM",
+               "qwen2": "AscendQwen2ForCausalLM", "qwen3": "AscendQwen3ForCausalLM"}
+
+
+def loaded_class(llm) -> str:
+    return llm.apply_model(lambda model: type(model).__name__)[0]
+
+
 def model_path(family: str) -> str:
     return str(smollm2_dir()) if family == "smollm2" else tiny_model_dir(family)
 

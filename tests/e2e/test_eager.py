@@ -2,7 +2,8 @@
 
 import pytest
 
-from tests.e2e.conftest import FAMILIES, check_against_hf, engine, model_path
+from tests.e2e.conftest import (FAMILIES, OUR_CLASSES, check_against_hf, engine, loaded_class,
+                                model_path)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -27,3 +28,4 @@ def test_model_runs_on_the_simulator_through_our_attention_backend(eager_llm):
         return device.current.name, type(runner).__name__, sorted(backends)
 
     assert llm.collective_rpc(probe) == [("sim", "NPUModelRunner", ["ASCEND"])]
+    assert loaded_class(llm) == OUR_CLASSES[family]  # the per-family file, with its fusions

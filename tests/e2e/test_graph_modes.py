@@ -4,8 +4,8 @@ graphs and replays are counted."""
 
 import pytest
 
-from tests.e2e.conftest import (FAMILIES, PROMPTS, assert_close_to, engine, hf_greedy,
-                                max_tokens_for, model_path, vllm_greedy)
+from tests.e2e.conftest import (FAMILIES, OUR_CLASSES, PROMPTS, assert_close_to, engine,
+                                hf_greedy, loaded_class, max_tokens_for, model_path, vllm_greedy)
 
 CAPTURE_SIZES = [1, 2, 4]
 MODES = ["PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]  # NONE: test_eager.py
@@ -43,6 +43,7 @@ def check(llm, family, prompts, label):
 def test_graphs_captured_per_piece_and_size(graph_llm):
     family, mode, llm = graph_llm
     assert llm.llm_engine.vllm_config.compilation_config.cudagraph_mode.name == mode
+    assert loaded_class(llm) == OUR_CLASSES[family]
     stats = graph_stats(llm)
     pieces = (num_layers(llm) + 1) * len(CAPTURE_SIZES)  # one graph per piece per size
     full = len(CAPTURE_SIZES)  # one FULL graph per size (all sizes <= max_num_seqs here)

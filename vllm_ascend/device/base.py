@@ -116,5 +116,11 @@ class DeviceBackend(ABC):
         """silu(x[..., :d]) * x[..., d:]"""
 
     @abstractmethod
+    def split_qkv_norm_rope(self, qkv, q_size, kv_size, head_size, q_weight, k_weight, eps,
+                            cos, sin, is_neox):
+        """Fused: split qkv, RMS-normalise q and k per head (when weights are given), rotate
+        them by cos/sin [T, rot/2]. Returns (q, k, v) flattened per token."""
+
+    @abstractmethod
     def rotary_embedding(self, positions, query, key, cos_sin_cache, head_size, is_neox) -> None:
         """Rotates query and key in place (last dim head_size, rotary dim from the cache)."""

@@ -102,6 +102,23 @@ class NpuBackend(DeviceBackend):
     def swiglu(self, x):
         return torch_npu.npu_swiglu(x)
 
+    def split_qkv_norm_rope(self, qkv, q_size, kv_size, head_size, q_weight, k_weight, eps,
+                            cos, sin, is_neox):
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        t = qkv.shape[0]
+        q, k = q.reshape(t, -1, head_size), k.reshape(t, -1, head_size)
+        if q_weight is not None:
+            q = torch_npu.npu_rms_norm(q, q_weight, eps)[0]
+            k = torch_npu.npu_rms_norm(k, k_weight, eps)[0]
+        mode = "half" if is_neox else "interleave"
+        cos2 = torch.cat((cos, cos), -1).unsqueeze(1)
+        sin2 = torch.cat((sin, sin), -1).unsqueeze(1)
+        q = torch_npu.npu_rotary_mul(q.unsqueeze(0), cos2.unsqueeze(0), sin2.unsqueeze(0),
+                                     rotary_mode=mode)[0]
+        k = torch_npu.npu_rotary_mul(k.unsqueeze(0), cos2.unsqueeze(0), sin2.unsqueeze(0),
+                                     rotary_mode=mode)[0]
+        return q.reshape(t, q_size), k.reshape(t, kv_size), v
+
     def rotary_embedding(self, positions, query, key, cos_sin_cache, head_size, is_neox):
         query, key = query.contiguous(), key.contiguous()
         torch_npu._npu_rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox)

@@ -185,20 +185,30 @@ class SimBackend(DeviceBackend):
 
     def rotary_embedding(self, positions, query, key, cos_sin_cache, head_size, is_neox):
         cos, sin = cos_sin_cache.index_select(0, positions.flatten()).chunk(2, dim=-1)
-        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # [T, 1, rot/2]
-        rot = cos_sin_cache.shape[-1]
+        return (_rope(query, cos, sin, head_size, is_neox),
+                _rope(key, cos, sin, head_size, is_neox) if key is not None else None)
 
-        def rotate(x):
-            x = x.view(x.shape[0], -1, head_size)
-            x_rot = x[..., :rot]
-            if is_neox:
-                x1, x2 = x_rot.chunk(2, dim=-1)
-                r = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-            else:
-                x1, x2 = x_rot[..., ::2], x_rot[..., 1::2]
-                r = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
-            if rot < head_size:
-                r = torch.cat((r, x[..., rot:]), dim=-1)
-            return r.to(x.dtype).flatten(-2)
+    def split_qkv_norm_rope(self, qkv, q_size, kv_size, head_size, q_weight, k_weight, eps,
+                            cos, sin, is_neox):
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        if q_weight is not None:
+            q = self.rms_norm(q.unflatten(-1, (-1, head_size)), q_weight, eps).flatten(-2)
+            k = self.rms_norm(k.unflatten(-1, (-1, head_size)), k_weight, eps).flatten(-2)
+        return _rope(q, cos, sin, head_size, is_neox), _rope(k, cos, sin, head_size, is_neox), v
 
-        return rotate(query), (rotate(key) if key is not None else None)
+
+def _rope(x, cos, sin, head_size, is_neox):
+    """Rotate [T, heads*head_size] by cos/sin [T, rot/2]; dims past rot pass through."""
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    rot = 2 * cos.shape[-1]
+    x = x.reshape(x.shape[0], -1, head_size)
+    x_rot = x[..., :rot]
+    if is_neox:
+        x1, x2 = x_rot.chunk(2, dim=-1)
+        r = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    else:
+        x1, x2 = x_rot[..., ::2], x_rot[..., 1::2]
+        r = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+    if rot < head_size:
+        r = torch.cat((r, x[..., rot:]), dim=-1)
+    return r.to(x.dtype).flatten(-2)

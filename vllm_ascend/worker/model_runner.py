@@ -13,6 +13,7 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm_ascend import device
 from vllm_ascend.attention.graph_params import GRAPH_PARAMS
+from vllm_ascend.ops.qkv import STEP_ROPE
 from vllm_ascend.compilation.acl_graph import STATS, ACLGraphWrapper, GraphHooks
 
 logger = get_logger(__name__)
@@ -93,6 +94,14 @@ class NPUModelRunner(GPUModelRunner):
             used / (1 << 30), backend.streams_in_use() - streams_before + max(streams_before, 0),
             backend.stream_budget())
         return used
+
+    def _model_forward(self, input_ids=None, positions=None, intermediate_tensors=None,
+                       inputs_embeds=None, **model_kwargs):
+        # Gather RoPE cos/sin once per step, outside any graph, for every layer to read.
+        if positions is not None:
+            STEP_ROPE.update(positions)
+        return super()._model_forward(input_ids, positions, intermediate_tensors,
+                                      inputs_embeds, **model_kwargs)
 
     def _sync_device(self) -> None:
         # Upstream calls torch.accelerator.synchronize(), which has no CPU accelerator.

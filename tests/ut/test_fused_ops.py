@@ -1,0 +1,97 @@
+"""Each fused op equals its unfused reference (upstream's forward_native sequence)."""
+
+import pytest
+import torch
+from vllm.config import VllmConfig, set_current_vllm_config
+
+from vllm_ascend import device
+from vllm_ascend.ops.qkv import STEP_ROPE, split_qkv_norm_rope, split_qkv_norm_rope_reference
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture(autouse=True)
+def vllm_config():
+    with set_current_vllm_config(VllmConfig()):
+        yield
+
+
+def close(a, b, dtype):
+    torch.testing.assert_close(a.float(), b.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 7, 33])
+def test_rms_norm_with_and_without_the_fused_residual_add(dtype, tokens):
+    from vllm_ascend.ops.layernorm import AscendRMSNorm
+
+    norm = AscendRMSNorm(96, eps=1e-5, dtype=dtype)
+    norm.weight.data.normal_()
+    x, res = torch.randn(tokens, 96, dtype=dtype), torch.randn(tokens, 96, dtype=dtype)
+    close(norm.forward_oot(x), norm.forward_native(x.clone()), dtype)
+    fused, fused_sum = norm.forward_oot(x.clone(), res.clone())
+    ref, ref_sum = norm.forward_native(x.clone(), res.clone())
+    close(fused, ref, dtype)
+    close(fused_sum, ref_sum, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 5, 64])
+def test_swiglu(dtype, tokens):
+    from vllm_ascend.ops.activation import AscendSiluAndMul
+
+    x = torch.randn(tokens, 2 * 80, dtype=dtype)
+    close(AscendSiluAndMul().forward_oot(x), AscendSiluAndMul.forward_native(x), dtype)
+
+
+def make_rope(head_size, rotary_dim, neox, dtype):
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    return get_rope(head_size, max_position=256, is_neox_style=neox, dtype=dtype,
+                    rope_parameters={"rope_theta": 10000.0, "rope_type": "default",
+                                     "partial_rotary_factor": rotary_dim / head_size})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("neox", [True, False])
+@pytest.mark.parametrize("rotary_dim", [64, 32])
+def test_rotary_embedding(dtype, neox, rotary_dim):
+    rope = make_rope(64, rotary_dim, neox, dtype)
+    pos = torch.randint(0, 256, (9,))
+    q, k = torch.randn(9, 4 * 64, dtype=dtype), torch.randn(9, 2 * 64, dtype=dtype)
+    fq, fk = rope.forward_oot(pos, q.clone(), k.clone())
+    rq, rk = rope.forward_native(pos, q.clone(), k.clone())
+    close(fq, rq, dtype)
+    close(fk, rk, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("heads,kv_heads,tokens", [(8, 2, 1), (8, 2, 13), (4, 4, 6)])
+def test_split_qkv_norm_rope_with_step_cos_sin(dtype, qk_norm, heads, kv_heads, tokens):
+    from vllm_ascend.ops.layernorm import AscendRMSNorm
+
+    head = 32
+    rope = make_rope(head, head, True, dtype)
+    norms = (None, None)
+    if qk_norm:
+        norms = (AscendRMSNorm(head, eps=1e-6, dtype=dtype),
+                 AscendRMSNorm(head, eps=1e-6, dtype=dtype))
+        for n in norms:
+            n.weight.data.normal_()
+    q_size, kv_size = heads * head, kv_heads * head
+    qkv = torch.randn(tokens, q_size + 2 * kv_size, dtype=dtype)
+    pos = torch.randint(0, 256, (tokens,))
+    STEP_ROPE.reset()
+    STEP_ROPE.attach(rope, 64)
+    STEP_ROPE.update(pos)  # once per step, before the forward
+    fused = split_qkv_norm_rope(qkv, q_size, kv_size, head, pos, rope, *norms)
+    ref = split_qkv_norm_rope_reference(qkv.clone(), q_size, kv_size, head, pos, rope, *norms)
+    for a, b in zip(fused, ref):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        close(a, b, dtype)
+    STEP_ROPE.reset()
+
+
+def test_device_is_the_simulator_in_tests():
+    assert device.current.name == "sim"

@@ -1,0 +1,34 @@
+"""What the families share: their attention with the fused QKV op."""
+
+import torch
+
+from vllm_ascend.ops.qkv import STEP_ROPE, split_qkv_norm_rope
+
+
+def attach_step_rope(model: torch.nn.Module, vllm_config) -> None:
+    """Give the step's cos/sin buffers the model's rotary table (all layers share it)."""
+    max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
+    for module in model.modules():
+        rope = getattr(module, "rotary_emb", None)
+        if rope is not None and hasattr(rope, "cos_sin_cache"):
+            STEP_ROPE.attach(rope, max_tokens)
+
+
+def fused_attention_forward(attn, positions: torch.Tensor, hidden_states: torch.Tensor,
+                            q_norm=None, k_norm=None) -> torch.Tensor:
+    """qkv_proj -> fused split(+q/k norm)+RoPE -> attention -> o_proj."""
+    qkv, _ = attn.qkv_proj(hidden_states)
+    q, k, v = split_qkv_norm_rope(qkv, attn.q_size, attn.kv_size, attn.head_dim, positions,
+                                  attn.rotary_emb, q_norm, k_norm)
+    output, _ = attn.o_proj(attn.attn(q, k, v))
+    return output
+
+
+def use_attention_class(model: torch.nn.Module, upstream: type, fused: type) -> None:
+    """Re-class upstream attention modules as ``fused`` (a subclass that only overrides
+    forward, adding no state). Upstream's Qwen2/Qwen3ForCausalLM build their decoder layers
+    with no hook for another attention class."""
+    assert issubclass(fused, upstream)
+    for module in model.modules():
+        if type(module) is upstream:
+            module.__class__ = fused
