@@ -43,6 +43,8 @@ def main():
     parser.add_argument("--modes", nargs="+", default=["eager"])
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 4, 16])
     parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--classes", nargs="+", default=["ours"], choices=["ours", "upstream"],
+                        help="model classes: vllm-ascend's per-family files or upstream vLLM's")
     args = parser.parse_args()
 
     from vllm import LLM
@@ -52,23 +54,30 @@ def main():
     paths = {"tiny": tiny_model_dir("llama"), "smollm2": str(smollm2_dir())}
     results = {}
     for model in args.models:
-        for mode in args.modes:
-            start = time.perf_counter()
-            llm = LLM(paths[model], dtype="float32", max_model_len=512, seed=0,
-                      max_num_seqs=max(args.batches), **engine_args(mode))
-            startup = time.perf_counter() - start
-            for batch in args.batches:
-                results[(model, mode, batch)] = measure(llm, batch, args.tokens)
-            print(f"[{model} {mode}] engine start {startup:.1f} s", flush=True)
-            llm.llm_engine.engine_core.shutdown()
-            del llm
-            gc.collect()
+        for classes in args.classes:
+            # Read by vllm_ascend.models.register() in the engine process it spawns.
+            os.environ["VLLM_ASCEND_UPSTREAM_MODELS"] = "1" if classes == "upstream" else "0"
+            for mode in args.modes:
+                start = time.perf_counter()
+                llm = LLM(paths[model], dtype="float32", max_model_len=512, seed=0,
+                          max_num_seqs=max(args.batches), **engine_args(mode))
+                startup = time.perf_counter() - start
+                for batch in args.batches:
+                    results[(model, classes, mode, batch)] = measure(llm, batch, args.tokens)
+                print(f"[{model} {classes} {mode}] engine start {startup:.1f} s", flush=True)
+                llm.llm_engine.engine_core.shutdown()
+                del llm
+                gc.collect()
 
-    print(f"\n{'model':8} {'mode':20} {'batch':>5} {'tok/s':>9} {'ms/step':>9} {'vs eager':>9}")
-    for (model, mode, batch), (tps, ms) in results.items():
-        base = results.get((model, "eager", batch))
+    print(f"\n{'model':8} {'classes':9} {'mode':20} {'batch':>5} {'tok/s':>9} {'ms/step':>9} "
+          f"{'vs eager':>9} {'vs upstream':>11}")
+    for (model, classes, mode, batch), (tps, ms) in results.items():
+        base = results.get((model, classes, "eager", batch))
+        up = results.get((model, "upstream", mode, batch))
         ratio = f"{tps / base[0]:.2f}x" if base else "-"
-        print(f"{model:8} {mode:20} {batch:5d} {tps:9.1f} {ms:9.2f} {ratio:>9}")
+        vs_up = f"{tps / up[0]:.2f}x" if up and classes != "upstream" else "-"
+        print(f"{model:8} {classes:9} {mode:20} {batch:5d} {tps:9.1f} {ms:9.2f} {ratio:>9} "
+              f"{vs_up:>11}")
 
 
 if __name__ == "__main__":

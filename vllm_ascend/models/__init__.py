@@ -5,7 +5,12 @@ they load by default. A family is added by writing its file and one line here (s
 docs/adding_a_model.md).
 """
 
+import os
+
 from vllm import ModelRegistry
+
+# Set to 1 to load upstream vLLM's classes instead (to compare; see benchmarks/).
+UPSTREAM_ENV = "VLLM_ASCEND_UPSTREAM_MODELS"
 
 FAMILIES = {
     "LlamaForCausalLM": "vllm_ascend.models.llama:AscendLlamaForCausalLM",
@@ -15,5 +20,7 @@ FAMILIES = {
 
 
 def register() -> None:
+    if os.environ.get(UPSTREAM_ENV) == "1":
+        return
     for arch, path in FAMILIES.items():
         ModelRegistry.register_model(arch, path)
