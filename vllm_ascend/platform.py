@@ -105,7 +105,7 @@ class NPUPlatform(Platform):
 
     @classmethod
     def check_and_update_config(cls, vllm_config: "VllmConfig") -> None:
-        from vllm.config import CompilationMode, CUDAGraphMode
+        from vllm.config import CompilationMode
 
         parallel_config = vllm_config.parallel_config
         if parallel_config.worker_cls == "auto":
@@ -135,11 +135,10 @@ class NPUPlatform(Platform):
         cls._apply_graph_mode(vllm_config)
         # The CUDA-only fusion passes must stay off on this platform.
         pass_config = compilation_config.pass_config
-        for name in type(pass_config).model_fields if hasattr(type(pass_config), "model_fields") \
-                else vars(pass_config):
-            if name.startswith("fuse_") or name in ("enable_qk_norm_rope_fusion", "enable_sp"):
-                if isinstance(getattr(pass_config, name, None), (bool, type(None))):
-                    setattr(pass_config, name, False)
+        for name, value in list(vars(pass_config).items()):
+            if (name.startswith("fuse_") or name == "enable_qk_norm_rope_fusion") and \
+                    isinstance(value, (bool, type(None))):
+                setattr(pass_config, name, False)
         # The Ascend kernels are CustomOps (forward_oot): keep them on unless the user said no.
         if "none" not in compilation_config.custom_ops and "all" not in compilation_config.custom_ops:
             compilation_config.custom_ops.append("all")
