@@ -1,7 +1,6 @@
 """A deliberately small stream budget: start-up captures exactly the sizes the budget function
 keeps; forcing every size instead fails capture with 207008 and the advice."""
 
-import os
 
 import pytest
 from vllm.config import CUDAGraphMode

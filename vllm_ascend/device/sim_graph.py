@@ -24,7 +24,7 @@ import threading
 import torch
 from torch._C import DispatchKey
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten
 
 STREAM_EXHAUSTED_CODE = 207008
 _RECORDED_NAMESPACES = {"aten", "prims", "ascend_sim"}
