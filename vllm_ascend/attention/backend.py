@@ -33,7 +33,6 @@ class AscendAttentionState(enum.Enum):
     """What kind of step this is (for logs and diagnosis). FIA serves all three with the same
     paged call, which is what lets one FULL graph replay any of them."""
 
-
     PREFILL_NO_CACHE = 0  # every request starts from an empty KV cache
     CHUNKED_PREFILL = 1  # some request has cached tokens (chunked prefill, prefix hit, mixed)
     DECODE_ONLY = 2  # one new token per request
