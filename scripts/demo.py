@@ -24,7 +24,9 @@ def main():
     from vllm_ascend import device
 
     start = time.perf_counter()
-    llm = LLM(model, max_model_len=1024, enforce_eager=args.enforce_eager, seed=0)
+    # max_num_seqs 16 keeps the capture sizes (and start-up) small for a demo.
+    llm = LLM(model, max_model_len=1024, max_num_seqs=16, enforce_eager=args.enforce_eager,
+              seed=0)
     started = time.perf_counter() - start
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     conversations = [[{"role": "user", "content": p}] for p in PROMPTS]
