@@ -68,11 +68,13 @@ def test_rotary_embedding(dtype, neox, rotary_dim):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("heads,kv_heads,tokens", [(8, 2, 1), (8, 2, 13), (4, 4, 6)])
-def test_split_qkv_norm_rope_with_step_cos_sin(dtype, qk_norm, heads, kv_heads, tokens):
+@pytest.mark.parametrize("neox,rotary_dim", [(True, 32), (False, 32), (True, 16)])
+def test_split_qkv_norm_rope_with_step_cos_sin(dtype, qk_norm, heads, kv_heads, tokens, neox,
+                                               rotary_dim):
     from vllm_ascend.ops.layernorm import AscendRMSNorm
 
     head = 32
-    rope = make_rope(head, head, True, dtype)
+    rope = make_rope(head, rotary_dim, neox, dtype)
     norms = (None, None)
     if qk_norm:
         norms = (AscendRMSNorm(head, eps=1e-6, dtype=dtype),

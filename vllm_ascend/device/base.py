@@ -119,7 +119,8 @@ class DeviceBackend(ABC):
     def split_qkv_norm_rope(self, qkv, q_size, kv_size, head_size, q_weight, k_weight, eps,
                             cos, sin, is_neox):
         """Fused: split qkv, RMS-normalise q and k per head (when weights are given), rotate
-        them by cos/sin [T, rot/2]. Returns (q, k, v) flattened per token."""
+        them by full-width cos/sin [T, rot] (see ops/qkv.StepRope for the layout). Returns
+        (q, k, v) flattened per token."""
 
     @abstractmethod
     def rotary_embedding(self, positions, query, key, cos_sin_cache, head_size, is_neox) -> None:

@@ -111,12 +111,9 @@ class NpuBackend(DeviceBackend):
             q = torch_npu.npu_rms_norm(q, q_weight, eps)[0]
             k = torch_npu.npu_rms_norm(k, k_weight, eps)[0]
         mode = "half" if is_neox else "interleave"
-        cos2 = torch.cat((cos, cos), -1).unsqueeze(1)
-        sin2 = torch.cat((sin, sin), -1).unsqueeze(1)
-        q = torch_npu.npu_rotary_mul(q.unsqueeze(0), cos2.unsqueeze(0), sin2.unsqueeze(0),
-                                     rotary_mode=mode)[0]
-        k = torch_npu.npu_rotary_mul(k.unsqueeze(0), cos2.unsqueeze(0), sin2.unsqueeze(0),
-                                     rotary_mode=mode)[0]
+        cos4, sin4 = cos.unsqueeze(1).unsqueeze(0), sin.unsqueeze(1).unsqueeze(0)
+        q = torch_npu.npu_rotary_mul(q.unsqueeze(0), cos4, sin4, rotary_mode=mode)[0]
+        k = torch_npu.npu_rotary_mul(k.unsqueeze(0), cos4, sin4, rotary_mode=mode)[0]
         return q.reshape(t, q_size), k.reshape(t, kv_size), v
 
     def rotary_embedding(self, positions, query, key, cos_sin_cache, head_size, is_neox):

@@ -190,11 +190,35 @@ class SimBackend(DeviceBackend):
 
     def split_qkv_norm_rope(self, qkv, q_size, kv_size, head_size, q_weight, k_weight, eps,
                             cos, sin, is_neox):
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        if q_weight is not None:
-            q = self.rms_norm(q.unflatten(-1, (-1, head_size)), q_weight, eps).flatten(-2)
-            k = self.rms_norm(k.unflatten(-1, (-1, head_size)), k_weight, eps).flatten(-2)
-        return _rope(q, cos, sin, head_size, is_neox), _rope(k, cos, sin, head_size, is_neox), v
+        t = qkv.shape[0]
+        if q_weight is None:
+            # q and k are adjacent in qkv: rotate both heads' worth in one pass.
+            qk = _rotate(qkv[:, : q_size + kv_size].unflatten(-1, (-1, head_size)), cos, sin,
+                         is_neox)
+            q, k = qk[:, : q_size // head_size], qk[:, q_size // head_size:]
+        else:
+            q = self.rms_norm(qkv[:, :q_size].unflatten(-1, (-1, head_size)), q_weight, eps)
+            k = self.rms_norm(qkv[:, q_size: q_size + kv_size].unflatten(-1, (-1, head_size)),
+                              k_weight, eps)
+            q, k = _rotate(q, cos, sin, is_neox), _rotate(k, cos, sin, is_neox)
+        return q.reshape(t, q_size), k.reshape(t, kv_size), qkv[:, q_size + kv_size:]
+
+
+def _rotate(x, cos, sin, is_neox):
+    """x [T, heads, head_size] rotated by full-width cos/sin [T, rot]: x*cos + rot(x)*sin on
+    the first rot dims; the rest passes through."""
+    rot = cos.shape[-1]
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    x_rot = x[..., :rot] if rot < x.shape[-1] else x
+    if is_neox:
+        x1, x2 = x_rot.chunk(2, dim=-1)
+        turned = torch.cat((-x2, x1), dim=-1)
+    else:
+        turned = torch.stack((-x_rot[..., 1::2], x_rot[..., ::2]), dim=-1).flatten(-2)
+    out = x_rot * cos + turned * sin
+    if rot < x.shape[-1]:
+        out = torch.cat((out, x[..., rot:]), dim=-1)
+    return out
 
 
 def _rope(x, cos, sin, head_size, is_neox):

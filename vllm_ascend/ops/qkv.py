@@ -11,32 +11,39 @@ from vllm_ascend import device
 
 
 class StepRope:
+    """cos/sin rows of the step's positions, full rotary width, in the rope's own layout
+    (neox: halves repeated; GPT-J: pairs interleaved), so a rotation is x*cos + rot(x)*sin."""
+
     def __init__(self):
         self.cache: torch.Tensor | None = None  # [max_position, rot_dim]: cos | sin halves
-        self.cos: torch.Tensor | None = None
+        self.is_neox = True
+        self.cos: torch.Tensor | None = None  # [max_num_tokens, rot_dim]
         self.sin: torch.Tensor | None = None
 
     def attach(self, rope, max_num_tokens: int) -> None:
         """Use ``rope``'s table; allocate the step buffers (once per model)."""
         cache = rope.cos_sin_cache
-        if self.cache is not None and self.cache is not cache and not torch.equal(
-                self.cache, cache):
+        if self.cache is not None and self.cache is not cache and not (
+                torch.equal(self.cache, cache) and self.is_neox == rope.is_neox_style):
             raise ValueError("vllm-ascend's fused RoPE expects one rotary table per model; "
                              "this model has layers with different RoPE parameters")
         if self.cache is None or self.cos.shape[0] < max_num_tokens:
-            half = cache.shape[-1] // 2
-            self.cos = torch.zeros(max_num_tokens, half, dtype=cache.dtype, device=cache.device)
+            self.cos = torch.zeros(max_num_tokens, cache.shape[-1], dtype=cache.dtype,
+                                   device=cache.device)
             self.sin = torch.zeros_like(self.cos)
-        self.cache = cache
+        self.cache, self.is_neox = cache, rope.is_neox_style
 
     def update(self, positions: torch.Tensor) -> None:
         if self.cache is None:
             return
         n = positions.shape[0]
-        rows = self.cache.index_select(0, positions.flatten())
-        half = rows.shape[-1] // 2
-        self.cos[:n].copy_(rows[:, :half])
-        self.sin[:n].copy_(rows[:, half:])
+        cos, sin = self.cache.index_select(0, positions.flatten()).chunk(2, dim=-1)
+        if self.is_neox:
+            cos, sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
+        else:
+            cos, sin = cos.repeat_interleave(2, -1), sin.repeat_interleave(2, -1)
+        self.cos[:n].copy_(cos)
+        self.sin[:n].copy_(sin)
 
     def get(self, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cos[:n].to(dtype), self.sin[:n].to(dtype)
@@ -55,7 +62,7 @@ def split_qkv_norm_rope(qkv, q_size, kv_size, head_size, positions, rope, q_norm
     return device.current.split_qkv_norm_rope(
         qkv, q_size, kv_size, head_size, q_norm.weight if q_norm is not None else None,
         k_norm.weight if k_norm is not None else None,
-        q_norm.variance_epsilon if q_norm is not None else 0.0, cos, sin, rope.is_neox_style)
+        q_norm.variance_epsilon if q_norm is not None else 0.0, cos, sin, STEP_ROPE.is_neox)
 
 
 def split_qkv_norm_rope_reference(qkv, q_size, kv_size, head_size, positions, rope, q_norm=None,
