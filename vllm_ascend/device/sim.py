@@ -185,8 +185,15 @@ class SimBackend(DeviceBackend):
 
     def rotary_embedding(self, positions, query, key, cos_sin_cache, head_size, is_neox):
         cos, sin = cos_sin_cache.index_select(0, positions.flatten()).chunk(2, dim=-1)
-        return (_rope(query, cos, sin, head_size, is_neox),
-                _rope(key, cos, sin, head_size, is_neox) if key is not None else None)
+        if is_neox:
+            cos, sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
+        else:
+            cos, sin = cos.repeat_interleave(2, -1), sin.repeat_interleave(2, -1)
+
+        def rotate(x):
+            return _rotate(x.unflatten(-1, (-1, head_size)), cos, sin, is_neox).flatten(-2)
+
+        return rotate(query), (rotate(key) if key is not None else None)
 
     def split_qkv_norm_rope(self, qkv, q_size, kv_size, head_size, q_weight, k_weight, eps,
                             cos, sin, is_neox):
@@ -219,20 +226,3 @@ def _rotate(x, cos, sin, is_neox):
     if rot < x.shape[-1]:
         out = torch.cat((out, x[..., rot:]), dim=-1)
     return out
-
-
-def _rope(x, cos, sin, head_size, is_neox):
-    """Rotate [T, heads*head_size] by cos/sin [T, rot/2]; dims past rot pass through."""
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    rot = 2 * cos.shape[-1]
-    x = x.reshape(x.shape[0], -1, head_size)
-    x_rot = x[..., :rot]
-    if is_neox:
-        x1, x2 = x_rot.chunk(2, dim=-1)
-        r = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    else:
-        x1, x2 = x_rot[..., ::2], x_rot[..., 1::2]
-        r = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
-    if rot < head_size:
-        r = torch.cat((r, x[..., rot:]), dim=-1)
-    return r.to(x.dtype).flatten(-2)
