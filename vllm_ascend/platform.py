@@ -213,7 +213,7 @@ class NPUPlatform(Platform):
         cc.cudagraph_mode = plan.mode
         cc.cudagraph_capture_sizes = plan.kept
         cc.max_cudagraph_capture_size = max(plan.kept, default=0)
-        logger.info("vllm-ascend: graph mode %s (requested %s): %s", plan.mode.name,
+        logger.info("vllm-ascend: graph mode %s (configured %s): %s", plan.mode.name,
                     requested.name if requested is not None else "default", why)
         logger.info(
             "vllm-ascend: capture sizes %s kept, %s dropped (%s; %d streams per size, "

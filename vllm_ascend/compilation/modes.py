@@ -26,7 +26,7 @@ def resolve_graph_mode(requested: CUDAGraphMode | None, support: AttentionCGSupp
     if requested is None:
         requested, why = CUDAGraphMode.FULL_AND_PIECEWISE, "the default"
     else:
-        why = "requested"
+        why = "as configured (vLLM's default unless set)"
     if not isinstance(requested, CUDAGraphMode):
         raise GraphModeError(f"cudagraph_mode {requested!r} is not one of "
                              f"{[m.name for m in CUDAGraphMode]}")
@@ -34,7 +34,7 @@ def resolve_graph_mode(requested: CUDAGraphMode | None, support: AttentionCGSupp
         return requested, why
     mode = requested
     if not piecewise_compilation and mode.requires_piecewise_compilation():
-        if why == "requested" and mode == CUDAGraphMode.PIECEWISE:
+        if mode == CUDAGraphMode.PIECEWISE:
             raise GraphModeError(
                 "cudagraph_mode PIECEWISE needs compilation mode VLLM_COMPILE (3), but "
                 "compilation is off; remove the compilation 'mode' setting or choose "
