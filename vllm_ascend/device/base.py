@@ -6,6 +6,14 @@ from abc import ABC, abstractmethod
 import torch
 
 
+def full_width_cos_sin(cos: torch.Tensor, sin: torch.Tensor, is_neox: bool):
+    """Half-width cos/sin rows [T, rot/2] -> full width [T, rot] in the rope's layout (neox:
+    halves repeated; GPT-J: pairs interleaved), so a rotation is x*cos + rot(x)*sin."""
+    if is_neox:
+        return torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
+    return cos.repeat_interleave(2, -1), sin.repeat_interleave(2, -1)
+
+
 class DeviceBackend(ABC):
     name: str  # "npu" or "sim"
     torch_device_type: str  # torch device string used for tensors

@@ -7,7 +7,7 @@ import psutil
 import torch
 
 from vllm_ascend.device import sim_graph, sim_ops
-from vllm_ascend.device.base import DeviceBackend
+from vllm_ascend.device.base import DeviceBackend, full_width_cos_sin
 
 MEMORY_ENV = "VLLM_ASCEND_SIM_MEMORY_GB"
 STREAMS_ENV = "VLLM_ASCEND_SIM_STREAMS"
@@ -184,11 +184,8 @@ class SimBackend(DeviceBackend):
         return torch.nn.functional.silu(x[..., :d]) * x[..., d:]
 
     def rotary_embedding(self, positions, query, key, cos_sin_cache, head_size, is_neox):
-        cos, sin = cos_sin_cache.index_select(0, positions.flatten()).chunk(2, dim=-1)
-        if is_neox:
-            cos, sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
-        else:
-            cos, sin = cos.repeat_interleave(2, -1), sin.repeat_interleave(2, -1)
+        cos, sin = full_width_cos_sin(
+            *cos_sin_cache.index_select(0, positions.flatten()).chunk(2, dim=-1), is_neox)
 
         def rotate(x):
             return _rotate(x.unflatten(-1, (-1, head_size)), cos, sin, is_neox).flatten(-2)

@@ -8,6 +8,7 @@ gathering per layer, and FULL graphs read them at their captured address.
 import torch
 
 from vllm_ascend import device
+from vllm_ascend.device.base import full_width_cos_sin
 
 
 class StepRope:
@@ -37,11 +38,8 @@ class StepRope:
         if self.cache is None:
             return
         n = positions.shape[0]
-        cos, sin = self.cache.index_select(0, positions.flatten()).chunk(2, dim=-1)
-        if self.is_neox:
-            cos, sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
-        else:
-            cos, sin = cos.repeat_interleave(2, -1), sin.repeat_interleave(2, -1)
+        cos, sin = full_width_cos_sin(
+            *self.cache.index_select(0, positions.flatten()).chunk(2, dim=-1), self.is_neox)
         self.cos[:n].copy_(cos)
         self.sin[:n].copy_(sin)
 
