@@ -16,6 +16,10 @@ if TYPE_CHECKING:
 logger = get_logger(__name__)
 
 ASCEND_BLOCK_SIZE = 128  # the paged-KV block size FIA is used with
+MULTIPROC_METHOD_ENV = "VLLM_WORKER_MULTIPROC_METHOD"
+# The plugin's own settings (README), and the scripts' cache and venv locations.
+PLUGIN_ENV_VARS = {"VLLM_ASCEND_DEVICE", "VLLM_ASCEND_SIM_MEMORY_GB", "VLLM_ASCEND_SIM_STREAMS",
+                   "VLLM_ASCEND_UPSTREAM_MODELS", "VLLM_ASCEND_CACHE", "VLLM_ASCEND_VENV"}
 
 
 class NPUPlatform(Platform):
@@ -143,6 +147,19 @@ class NPUPlatform(Platform):
         if "none" not in compilation_config.custom_ops and "all" not in compilation_config.custom_ops:
             compilation_config.custom_ops.append("all")
         os.environ.setdefault("VLLM_DISABLE_SHARED_EXPERTS_STREAM", "1")
+        cls._spawn_if_fork_is_unsafe()
+
+    @classmethod
+    def _spawn_if_fork_is_unsafe(cls) -> None:
+        """vLLM forks its engine and worker processes by default and forces spawn only for CUDA
+        and XPU (``_maybe_force_spawn``); do the same for this device, before any is started."""
+        reason = device.current.fork_unsafe_reason()
+        current = os.environ.get(MULTIPROC_METHOD_ENV)
+        if reason is None or current == "spawn":
+            return
+        os.environ[MULTIPROC_METHOD_ENV] = "spawn"
+        logger.info("vllm-ascend: engine and worker processes start with 'spawn'%s: %s",
+                    f" ({MULTIPROC_METHOD_ENV}={current} overridden)" if current else "", reason)
 
     @classmethod
     def opaque_attention_op(cls) -> bool:
@@ -219,6 +236,18 @@ class NPUPlatform(Platform):
             "vllm-ascend: capture sizes %s kept, %s dropped (%s; %d streams per size, "
             "%d of %d usable streams)", plan.kept, plan.dropped or "none", plan.reason,
             plan.streams_per_size, plan.streams_needed, plan.usable_streams)
+
+    @classmethod
+    def validate_environ(cls, hard_fail: bool) -> None:
+        # Upstream flags every VLLM_* variable it does not know, the plugin's own included.
+        from vllm import envs
+
+        for name in os.environ:
+            if name.startswith("VLLM_") and name not in envs.environment_variables and \
+                    name not in PLUGIN_ENV_VARS:
+                if hard_fail:
+                    raise ValueError(f"Unknown vLLM environment variable detected: {name}")
+                logger.warning("Unknown vLLM environment variable detected: %s", name)
 
     @classmethod
     def log_warnings(cls) -> None:

@@ -9,9 +9,6 @@ import pytest
 
 os.environ.setdefault("VLLM_ASCEND_SIM_MEMORY_GB", "2")  # small simulated device: fast KV alloc
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(callable)
-# Engine cores start by spawn: forking a test process that already ran torch and other engines
-# is not safe.
-os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 
 from scripts.models import smollm2_dir, tiny_model_dir  # noqa: E402
 

@@ -48,6 +48,10 @@ class DeviceBackend(ABC):
     def prepare_process(self) -> None:
         """Called once per worker process before the model runner is built."""
 
+    @abstractmethod
+    def fork_unsafe_reason(self) -> str | None:
+        """Why a child process of this one must be spawned rather than forked, or None."""
+
     def runner_init_context(self):
         """Context around GPUModelRunner.__init__, which creates CUDA streams and events."""
         return contextlib.nullcontext()

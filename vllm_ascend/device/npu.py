@@ -30,6 +30,10 @@ class NpuBackend(DeviceBackend):
     def stream_budget(self) -> int:
         return DEFAULT_STREAMS
 
+    def fork_unsafe_reason(self) -> str | None:
+        # As vLLM does for CUDA: a forked child cannot use a device its parent initialised.
+        return "torch_npu is initialised in this process" if torch.npu.is_initialized() else None
+
     def synchronize(self) -> None:
         torch.npu.synchronize()
 

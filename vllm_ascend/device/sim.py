@@ -93,6 +93,12 @@ class SimBackend(DeviceBackend):
             raise sim_graph.TaskUpdateError("task_update_end without task_update_begin")
         self._updating = None
 
+    def fork_unsafe_reason(self) -> str | None:
+        # The simulator computes with torch's OpenMP pool; once any torch op ran in this process
+        # (a model conversion, a user's own tensors) a forked child hangs in its first parallel
+        # op. Whether it ran cannot be asked of torch, so always.
+        return "the simulator computes with torch's OpenMP thread pool, which a fork cannot inherit"
+
     def prepare_process(self) -> None:
         # torch has no CPU accelerator, yet vLLM's runner calls torch.accelerator.synchronize /
         # empty_cache unconditionally (shutdown, profiling clean-up): on the simulator the device
