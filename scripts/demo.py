@@ -1,19 +1,25 @@
-"""SmolLM2-135M-Instruct answering a few questions through vllm.LLM on vllm-ascend."""
+"""SmolLM2-135M-Instruct answering a few questions through vllm.LLM on vllm-ascend.
+
+The questions are ones whose greedy answers are decisive: at every token of HF transformers'
+answer the first choice leads the second by at least 0.87 nats (fp32 and bf16), so the answers do
+not depend on the CPU's bf16 rounding. Each answer is checked against the expected one; the exit
+status is 1 when any differs.
+"""
 
 import argparse
 import time
 
-PROMPTS = [
-    "What is the capital of France?",
-    "Name three primary colours.",
-    "Write one sentence about the sea.",
-]
+# question -> the answer HF transformers gives (greedy, bf16 and fp32)
+EXPECTED = {
+    "What is the capital of Japan?": "The capital of Japan is Tokyo.",
+    "What is the capital of Kenya?": "The capital of Kenya is Nairobi.",
+    "What is the capital of Russia?": "The capital of Russia is Moscow.",
+}
 
 
-def main():
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--enforce-eager", action="store_true", help="turn graph mode off")
-    parser.add_argument("--max-tokens", type=int, default=48)
     args = parser.parse_args()
 
     from scripts.models import smollm2_dir
@@ -28,15 +34,23 @@ def main():
     llm = LLM(model, max_model_len=1024, max_num_seqs=16, enforce_eager=args.enforce_eager,
               seed=0)
     started = time.perf_counter() - start
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    conversations = [[{"role": "user", "content": p}] for p in PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=32)
+    conversations = [[{"role": "user", "content": q}] for q in EXPECTED]
     outputs = llm.chat(conversations, params, use_tqdm=False)
-    config = llm.llm_engine.vllm_config.compilation_config
+    config = llm.llm_engine.vllm_config
     print(f"\ndevice backend: {device.current.name} ({device.current.device_name()}); "
-          f"graph mode: {config.cudagraph_mode.name}; engine start {started:.1f} s")
-    for prompt, out in zip(PROMPTS, outputs):
-        print(f"\nQ: {prompt}\nA: {out.outputs[0].text.strip()}")
+          f"dtype: {str(config.model_config.dtype).removeprefix('torch.')}; graph mode: "
+          f"{config.compilation_config.cudagraph_mode.name}; engine start {started:.1f} s")
+    wrong = 0
+    for (question, expected), out in zip(EXPECTED.items(), outputs):
+        answer = out.outputs[0].text.strip()
+        ok = answer == expected
+        wrong += not ok
+        print(f"\nQ: {question}\nA: {answer}" + ("" if ok else f"\n   (expected: {expected})"))
+    print(f"\n{len(EXPECTED) - wrong} of {len(EXPECTED)} answers as expected")
+    llm.llm_engine.engine_core.shutdown()
+    return 1 if wrong else 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
