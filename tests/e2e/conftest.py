@@ -78,12 +78,14 @@ def _hf_model(path):
 
 
 @functools.lru_cache(maxsize=None)
-def hf_greedy(path: str, prompt: str, max_tokens: int):
-    """(tokens, [top-k {token: logprob}]) of HF transformers' greedy generation."""
+def hf_greedy(path: str, prompt: "str | tuple[int, ...]", max_tokens: int):
+    """(tokens, [top-k {token: logprob}]) of HF transformers' greedy generation (fp32) from a
+    prompt string or its token ids."""
     import torch
 
     tok, model = _hf_model(path)
-    ids = tok(prompt, return_tensors="pt").input_ids
+    ids = (torch.tensor([prompt]) if isinstance(prompt, tuple)
+           else tok(prompt, return_tensors="pt").input_ids)
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
                              do_sample=False, output_logits=True, return_dict_in_generate=True,
@@ -113,6 +115,22 @@ def assert_close_to(reference, actual, label=""):
             f"{label}: token {i} is {t}, reference {rt} (not a near-tie: gap {gap:.4f})\n"
             f"got       {tokens}\nreference {ref_tokens}")
         break  # the sequences legitimately diverge after a near-tie
+
+
+def check_logprobs_close(reference, actual, label=""):
+    """The rule for low-precision output (vLLM's ``check_logprobs_close``): the greedy sequences
+    may part only at a position where each side's token is among the other's top-k logprobs, and
+    the comparison stops there (what follows depends on a different prefix)."""
+    (ref_tokens, ref_lps), (tokens, lps) = reference, actual
+    assert len(tokens) == len(ref_tokens), f"{label}: {len(tokens)} tokens, expected {len(ref_tokens)}"
+    for i, (rt, t) in enumerate(zip(ref_tokens, tokens)):
+        if rt == t:
+            continue
+        assert rt in lps[i] and t in ref_lps[i], (
+            f"{label}: token {i} is {t}, reference {rt}, and they are not in each other's top "
+            f"{TOPK}\ngot       {tokens}\nreference {ref_tokens}\n"
+            f"top-k here {lps[i]}\nreference {ref_lps[i]}")
+        break
 
 
 def check_against_hf(llm, family, prompts=PROMPTS, label=""):
