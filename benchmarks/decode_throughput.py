@@ -58,7 +58,7 @@ def main():
             os.environ["VLLM_ASCEND_UPSTREAM_MODELS"] = "1" if classes == "upstream" else "0"
             for mode in args.modes:
                 start = time.perf_counter()
-                llm = LLM(paths[model], dtype="float32", max_model_len=512, seed=0,
+                llm = LLM(paths[model], dtype="bfloat16", max_model_len=512, seed=0,
                           max_num_seqs=max(args.batches), **engine_args(mode))
                 startup = time.perf_counter() - start
                 for batch in args.batches:

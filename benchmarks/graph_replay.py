@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from vllm_ascend.device.sim import SimBackend
+from vllm_ascend.device.sim import npu
 
 
 class Layer(torch.nn.Module):
@@ -40,16 +40,14 @@ def bench(fn, n):
 
 
 def main():
-    sim = SimBackend(reason="benchmark")
     print(f"{'hidden':>6} {'layers':>6} {'tokens':>6} {'eager us':>9} {'replay us':>9} {'speed-up':>8}")
     with torch.inference_mode():
         for hidden, layers, tokens in [(64, 30, 1), (64, 30, 8), (256, 8, 1), (576, 30, 1)]:
             model = torch.nn.Sequential(*[Layer(hidden) for _ in range(layers)]).eval()
             x = torch.randn(tokens, hidden)
-            graph = sim.new_graph()
-            with sim.graph_capture(graph, sim.global_graph_pool()):
+            graph = npu.NPUGraph()
+            with npu.graph(graph):
                 out = model(x)
-            sim.graph_finalize(graph, out)
             n = 300 if hidden < 500 else 50
             eager, replay = bench(lambda: model(x), n), bench(graph.replay, n)
             torch.testing.assert_close(out, model(x))

@@ -9,6 +9,7 @@ from vllm_ascend.logger import get_logger
 from vllm.platforms.interface import Platform, PlatformEnum
 
 from vllm_ascend import device
+from vllm_ascend.device import torch_npu
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -16,6 +17,7 @@ if TYPE_CHECKING:
 logger = get_logger(__name__)
 
 ASCEND_BLOCK_SIZE = 128  # the paged-KV block size FIA is used with
+FIA_DTYPES = (torch.bfloat16, torch.float16)  # what FIA computes in; the first is preferred
 MULTIPROC_METHOD_ENV = "VLLM_WORKER_MULTIPROC_METHOD"
 # The plugin's own settings (README), and the scripts' cache and venv locations.
 PLUGIN_ENV_VARS = {"VLLM_ASCEND_DEVICE", "VLLM_ASCEND_SIM_MEMORY_GB", "VLLM_ASCEND_SIM_STREAMS",
@@ -36,7 +38,7 @@ class NPUPlatform(Platform):
 
     @property
     def supported_dtypes(self) -> list[torch.dtype]:
-        return [torch.bfloat16, torch.float16, torch.float32]
+        return list(FIA_DTYPES)  # the fused infer attention operator takes these only
 
     @classmethod
     def get_device_name(cls, device_id: int = 0) -> str:
@@ -56,8 +58,7 @@ class NPUPlatform(Platform):
 
     @classmethod
     def set_device(cls, dev: torch.device) -> None:
-        if device.current.name == "npu":
-            torch.npu.set_device(dev)
+        torch_npu.npu.set_device(dev)
 
     @classmethod
     def manual_seed_all(cls, seed: int) -> None:
@@ -111,6 +112,13 @@ class NPUPlatform(Platform):
     def check_and_update_config(cls, vllm_config: "VllmConfig") -> None:
         from vllm.config import CompilationMode
 
+        model_config = vllm_config.model_config
+        if model_config is not None and model_config.dtype not in FIA_DTYPES:
+            raise ValueError(
+                f"dtype {str(model_config.dtype).removeprefix('torch.')} is not supported on "
+                "Ascend: the fused infer attention operator computes in bfloat16 or float16 only. "
+                "Pass dtype='bfloat16' (--dtype bfloat16), or leave it 'auto', which runs a "
+                "float32 checkpoint in bfloat16.")
         parallel_config = vllm_config.parallel_config
         if parallel_config.worker_cls == "auto":
             parallel_config.worker_cls = "vllm_ascend.worker.worker.NPUWorker"
@@ -175,11 +183,10 @@ class NPUPlatform(Platform):
     def get_static_graph_wrapper_cls(cls) -> str:
         return "vllm_ascend.compilation.acl_graph.ACLGraphWrapper"
 
-    def get_global_graph_pool(self):
-        return device.current.global_graph_pool()
-
     def graph_pool_handle(self):
-        return device.current.graph_pool_handle()
+        # Upstream reaches torch.npu through Platform.__getattr__; the simulator's device type
+        # is "cpu", so name it.
+        return torch_npu.npu.graph_pool_handle()
 
     @classmethod
     def _apply_graph_mode(cls, vllm_config: "VllmConfig") -> None:

@@ -29,3 +29,12 @@ def test_model_runs_on_the_simulator_through_our_attention_backend(eager_llm):
 
     assert llm.collective_rpc(probe) == [("sim", "NPUModelRunner", ["ASCEND"])]
     assert loaded_class(llm) == OUR_CLASSES[family]  # the per-family file, with its fusions
+
+
+def test_float32_is_refused_at_start_up_with_the_fix():
+    from vllm import LLM
+
+    with pytest.raises(ValueError, match=r"dtype float32 is not supported on Ascend: the fused "
+                                         r"infer attention operator computes in bfloat16 or "
+                                         r"float16 only. Pass dtype='bfloat16'"):
+        LLM(model_path("llama"), dtype="float32", max_model_len=256)

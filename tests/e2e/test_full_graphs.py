@@ -1,10 +1,15 @@
 """FULL graphs where they are hardest: mixed prefill/decode steps, a full batch, chunked prefill
 and prefix caching, and the stale-length bug the FIA update prevents."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 from vllm import SamplingParams
 
-from tests.e2e.conftest import assert_close_to, engine, hf_greedy, model_path, vllm_greedy
+from tests.conftest import ROOT
+from tests.e2e.conftest import check_logprobs_close, engine, hf_greedy, model_path, vllm_greedy
 from tests.e2e.test_graph_modes import graph_stats
 
 FAMILY = "llama"
@@ -17,7 +22,7 @@ def words(n, seed):
 
 def equal_hf(llm, prompts, n, label):
     for prompt, out in zip(prompts, vllm_greedy(llm, prompts, n)):
-        assert_close_to(hf_greedy(model_path(FAMILY), prompt, n), out, f"{label} {prompt[:30]!r}")
+        check_logprobs_close(hf_greedy(model_path(FAMILY), prompt, n), out, f"{label} {prompt[:30]!r}")
 
 
 @pytest.fixture(scope="module")
@@ -58,15 +63,66 @@ def test_chunked_prefill_and_prefix_caching_under_full_and_piecewise():
         assert stats.get("FULL", 0) > 0 and stats.get("PIECEWISE", 0) > 0
 
 
-def test_without_the_fia_update_full_graphs_replay_stale_lengths():
-    """The negative test: the very same FULL graphs, minus the per-step FIA update, give wrong
-    tokens (each decode attends over the capture's lengths); with it they equal HF above."""
-    prompt = words(6, 7)
-    with engine(model_path(FAMILY), max_num_seqs=4, additional_config={
-            "debug_skip_fia_update": True}, compilation_config={
+def skip_fia_update(record_events: bool):
+    """A worker-side change for the negative tests: FULL replays without the per-step task
+    updates of their attention lengths (recording each layer's event, or not even that)."""
+
+    def install(worker):
+        from vllm_ascend.attention.graph_params import GRAPH_PARAMS
+
+        def no_update(key, metadata):
+            if record_events:
+                for call in GRAPH_PARAMS.calls[key]:
+                    call.event.record()
+
+        GRAPH_PARAMS.update = no_update
+
+    return install
+
+
+@pytest.fixture
+def decode_only_llm():
+    with engine(model_path(FAMILY), max_num_seqs=4, compilation_config={
             "cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [1, 2, 4]}) as llm:
-        tokens, _ = vllm_greedy(llm, [prompt], 12)[0]
-        assert graph_stats(llm)["replayed"]["FULL"] >= 10
-    ref_tokens, _ = hf_greedy(model_path(FAMILY), prompt, 12)
-    assert tokens[0] == ref_tokens[0]  # the first token comes from the (eager) prefill
-    assert tokens != ref_tokens
+        yield llm
+
+
+def test_without_the_fia_update_full_graphs_replay_stale_lengths(decode_only_llm):
+    """The chip's stale-parameter bug, reproduced: the same FULL graphs, with each layer's event
+    recorded but no task update, attend over the capture's lengths and the tokens go wrong;
+    with the update (the tests above) they are close to HF."""
+    prompt = words(6, 7)
+    decode_only_llm.collective_rpc(skip_fia_update(record_events=True))
+    got = vllm_greedy(decode_only_llm, [prompt], 12)[0]
+    assert graph_stats(decode_only_llm)["replayed"]["FULL"] >= 10
+    with pytest.raises(AssertionError, match="not in each other's top"):
+        check_logprobs_close(hf_greedy(model_path(FAMILY), prompt, 12), got, "stale lengths")
+
+
+NO_UPDATE_SCRIPT = """
+from vllm import LLM, SamplingParams
+from tests.e2e.test_full_graphs import skip_fia_update
+
+if __name__ == "__main__":
+    llm = LLM({model!r}, dtype="bfloat16", max_model_len=256, max_num_seqs=4,
+              compilation_config={{"cudagraph_mode": "FULL_DECODE_ONLY",
+                                   "cudagraph_capture_sizes": [1, 2, 4]}})
+    llm.collective_rpc(skip_fia_update(record_events=False))
+    try:
+        llm.generate(["hello there"], SamplingParams(max_tokens=4))
+    except Exception as e:
+        print("generate failed:", type(e).__name__)
+"""
+
+
+def test_without_any_update_a_full_replay_fails_loudly(tmp_path):
+    """With no update at all, the replay's attention waits on an event nobody records: on the
+    chip the stream hangs; the simulator fails the step with that diagnosis (in the engine's
+    log, which a subprocess keeps whole)."""
+    script = tmp_path / "no_update.py"
+    script.write_text(NO_UPDATE_SCRIPT.format(model=model_path(FAMILY)))
+    proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
+    assert "generate failed: EngineDeadError" in proc.stdout, proc.stderr[-3000:]
+    assert "a replayed ACL graph waits on an ExternalEvent that no task update recorded" in \
+        proc.stdout + proc.stderr

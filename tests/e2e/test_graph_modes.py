@@ -4,7 +4,7 @@ graphs and replays are counted."""
 
 import pytest
 
-from tests.e2e.conftest import (FAMILIES, OUR_CLASSES, PROMPTS, assert_close_to, engine,
+from tests.e2e.conftest import (FAMILIES, OUR_CLASSES, PROMPTS, check_logprobs_close, engine,
                                 hf_greedy, loaded_class, max_tokens_for, model_path, vllm_greedy)
 
 CAPTURE_SIZES = [1, 2, 4]
@@ -37,7 +37,7 @@ def graph_llm(request):
 def check(llm, family, prompts, label):
     n = max_tokens_for(family)
     for prompt, out in zip(prompts, vllm_greedy(llm, prompts, n)):
-        assert_close_to(hf_greedy(model_path(family), prompt, n), out, f"{label} {prompt!r}")
+        check_logprobs_close(hf_greedy(model_path(family), prompt, n), out, f"{label} {prompt!r}")
 
 
 def test_graphs_captured_per_piece_and_size(graph_llm):

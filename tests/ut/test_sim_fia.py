@@ -1,17 +1,19 @@
-"""The simulator's FIA operator: every chip check, and numerics against a plain reference."""
+"""The simulator's torch_npu.npu_fused_infer_attention_score: numerics against a plain
+reference, and each of the chip's host-side checks (TORCH_NPU_CONTRACTS.md F1-F17), raised with
+the chip's message and error code."""
 
 import pytest
 import torch
 
-from vllm_ascend.device.sim import SimBackend
-from vllm_ascend.device.sim_ops import ATTEN_MASK_SIZE, AscendOpError
+from vllm_ascend.device import sim as torch_npu
+from vllm_ascend.device.sim.ops import AscendOpError
 
-sim = SimBackend(reason="test")
-MASK = torch.ones(ATTEN_MASK_SIZE, ATTEN_MASK_SIZE, dtype=torch.bool).triu(1)
+MASK = torch.triu(torch.ones(2048, 2048), diagonal=1).to(torch.int8)
+BF16 = torch.bfloat16
 
 
 def reference(q, k_per_req, v_per_req, q_lens, scale):
-    """Causal attention per request, the query being the last q_len of the request's tokens."""
+    """Causal attention per request in fp32, the query being the last q_len of its tokens."""
     outs, start = [], 0
     n = q.shape[1]
     for k, v, ql in zip(k_per_req, v_per_req, q_lens):
@@ -24,116 +26,195 @@ def reference(q, k_per_req, v_per_req, q_lens, scale):
         allowed = torch.arange(kl)[None, :] <= (kl - ql + torch.arange(ql))[:, None]
         scores = scores.masked_fill(~allowed, float("-inf"))
         outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
-    return torch.cat(outs).to(q.dtype)
+    return torch.cat(outs)
 
 
-def paged_case(q_lens, kv_lens, n_heads=8, n_kv=2, d=32, block=16, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    max_blocks = max(-(-kv // block) for kv in kv_lens)
-    num_blocks = len(kv_lens) * max_blocks + 3
-    kc = torch.randn(num_blocks, block, n_kv, d, generator=g).to(dtype)
-    vc = torch.randn(num_blocks, block, n_kv, d, generator=g).to(dtype)
-    perm = torch.randperm(num_blocks, generator=g)  # scattered, non-contiguous blocks
-    table = perm[: len(kv_lens) * max_blocks].view(len(kv_lens), max_blocks).to(torch.int32)
-    q = torch.randn(sum(q_lens), n_heads, d, generator=g).to(dtype)
-    ks = [torch.cat([kc[b] for b in row.tolist()])[:kv] for row, kv in zip(table, kv_lens)]
-    vs = [torch.cat([vc[b] for b in row.tolist()])[:kv] for row, kv in zip(table, kv_lens)]
-    cu = torch.tensor(q_lens).cumsum(0).tolist()
-    return q, kc, vc, table, cu, ks, vs
+class Case:
+    """A paged batch as vllm-ascend passes it: TND query, BnBsH caches, int32 block table."""
+
+    def __init__(self, q_lens, kv_lens, n_heads=8, n_kv=2, d=32, block=16, dtype=BF16, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        max_blocks = max(-(-kv // block) for kv in kv_lens)
+        num_blocks = len(kv_lens) * max_blocks + 3
+        self.k4 = torch.randn(num_blocks, block, n_kv, d, generator=g).to(dtype)
+        self.v4 = torch.randn(num_blocks, block, n_kv, d, generator=g).to(dtype)
+        perm = torch.randperm(num_blocks, generator=g)  # scattered blocks
+        self.table = perm[: len(kv_lens) * max_blocks].view(len(kv_lens), max_blocks)
+        self.table = self.table.to(torch.int32).contiguous()
+        self.q = torch.randn(sum(q_lens), n_heads, d, generator=g).to(dtype)
+        self.q_lens, self.kv_lens, self.block, self.n_kv = q_lens, kv_lens, block, n_kv
+        self.cu = torch.tensor(q_lens).cumsum(0).tolist()
+
+    def per_request(self, cache):
+        return [torch.cat([cache[b] for b in row.tolist()])[:kv]
+                for row, kv in zip(self.table, self.kv_lens)]
+
+    def kwargs(self, **overrides):
+        nb = self.k4.shape[0]
+        args = dict(query=self.q, key=self.k4.view(nb, self.block, -1),
+                    value=self.v4.view(nb, self.block, -1), atten_mask=MASK,
+                    block_table=self.table, input_layout="TND", block_size=self.block,
+                    actual_seq_lengths=self.cu, actual_seq_lengths_kv=self.kv_lens,
+                    num_key_value_heads=self.n_kv, num_heads=self.q.shape[1], scale=0.125,
+                    sparse_mode=3)
+        args.update(overrides)
+        return args
+
+    def run(self, **overrides):
+        return torch_npu.npu_fused_infer_attention_score(**self.kwargs(**overrides))
 
 
-def run(q, kc, vc, table, cu, kv_lens, block=16, n_kv=2, **kw):
-    args = dict(actual_seq_lengths=cu, actual_seq_lengths_kv=kv_lens, block_table=table,
-                block_size=block, num_heads=q.shape[1], num_key_value_heads=n_kv, scale=0.125,
-                input_layout="TND", sparse_mode=3, atten_mask=MASK)
-    args.update(kw)
-    return sim.fused_infer_attention_score(q, kc, vc, **args)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_paged_mixed_batch_matches_reference(dtype):
+    # Prefill from empty, chunked prefill with an offset, decodes; GQA 8:2; blocks crossed.
+    case = Case([5, 7, 1, 1], [5, 40, 33, 16], dtype=dtype)
+    out, lse = case.run()
+    ref = reference(case.q, case.per_request(case.k4), case.per_request(case.v4), case.q_lens,
+                    0.125)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    assert out.dtype == dtype and lse.shape == (0,) and lse.dtype == torch.float32
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_paged_mixed_batch_matches_reference(dtype, tol):
-    # prefill from empty, chunked prefill with offset, decode; GQA 8:2; blocks of 16 crossed.
-    q_lens, kv_lens = [5, 7, 1, 1], [5, 40, 33, 16]
-    q, kc, vc, table, cu, ks, vs = paged_case(q_lens, kv_lens, dtype=dtype)
-    out = run(q, kc, vc, table, cu, kv_lens)
-    torch.testing.assert_close(out.float(), reference(q, ks, vs, q_lens, 0.125).float(),
-                               atol=tol, rtol=tol)
+def test_out_overload_writes_into_the_given_tensors_with_a_max_workspace():
+    case = Case([2, 1], [6, 9])
+    ws = torch_npu._npu_fused_infer_attention_score_get_max_workspace(**case.kwargs())
+    assert ws.dim() == 1 and ws.dtype == case.q.dtype
+    out, lse = torch.empty_like(case.q), torch.empty(1, dtype=case.q.dtype)
+    got = torch_npu.npu_fused_infer_attention_score.out(**case.kwargs(), workspace=ws,
+                                                        out=[out, lse])
+    assert got[0] is out
+    torch.testing.assert_close(out, case.run()[0])
+
+
+def test_out_overload_needs_the_workspace():
+    case = Case([1], [4])
+    out, lse = torch.empty_like(case.q), torch.empty(1, dtype=case.q.dtype)
+    with pytest.raises(AscendOpError, match="error code is 561002(.|\n)*needs workspace="):
+        torch_npu.npu_fused_infer_attention_score.out(**case.kwargs(), out=[out, lse])
+    with pytest.raises(AscendOpError, match="needs workspace="):
+        torch_npu.npu_fused_infer_attention_score.out(
+            **case.kwargs(), workspace=torch.empty(8, dtype=BF16), out=[out, lse])
 
 
 def test_unpaged_prefill_matches_reference():
-    q_lens = [3, 6]
     g = torch.Generator().manual_seed(1)
-    q = torch.randn(9, 4, 16, generator=g)
-    k = torch.randn(9, 1, 16, generator=g)
-    v = torch.randn(9, 1, 16, generator=g)
-    out = sim.fused_infer_attention_score(
-        q, k, v, actual_seq_lengths=[3, 9], actual_seq_lengths_kv=[3, 9], block_table=None,
-        block_size=0, num_heads=4, num_key_value_heads=1, scale=0.25, atten_mask=MASK)
-    ref = reference(q, [k[:3], k[3:]], [v[:3], v[3:]], q_lens, 0.25)
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    q = torch.randn(9, 4, 16, generator=g).to(BF16)
+    k = torch.randn(9, 1, 16, generator=g).to(BF16)
+    v = torch.randn(9, 1, 16, generator=g).to(BF16)
+    out, _ = torch_npu.npu_fused_infer_attention_score(
+        q, k, v, actual_seq_lengths=[3, 9], actual_seq_lengths_kv=[3, 9], num_heads=4,
+        num_key_value_heads=1, scale=0.25, atten_mask=MASK, sparse_mode=3, input_layout="TND")
+    ref = reference(q, [k[:3], k[3:]], [v[:3], v[3:]], [3, 6], 0.25)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 
 
-def test_query_tokens_must_equal_last_cumulative_length():
-    q, kc, vc, table, cu, _, _ = paged_case([3, 2], [3, 2])
-    with pytest.raises(AscendOpError, match=r"When layout is TND, queryT\(8\) must be equal to "
-                                            r"the last element of actualSequenceLengthQ\(5\)"):
-        run(torch.cat([q, q[:3]]), kc, vc, table, cu, [3, 2])
+# -- the chip's checks ---------------------------------------------------------------------------
+
+def test_query_tokens_must_equal_the_last_cumulative_length():  # F3
+    case = Case([3, 2], [3, 2])
+    with pytest.raises(AscendOpError, match=r"error code is 561002(.|\n)*When layout is TND, "
+                       r"queryT\(8\) must be equal to the last element of "
+                       r"actualSequenceLengthQ\(5\)"):
+        case.run(query=torch.cat([case.q, case.q[:3]]))
 
 
-def test_lengths_must_be_host_lists():
-    q, kc, vc, table, cu, _, _ = paged_case([1, 1], [4, 4])
-    with pytest.raises(AscendOpError, match="must be a host list of ints"):
-        run(q, kc, vc, table, torch.tensor(cu), [4, 4])
-    with pytest.raises(AscendOpError, match="actual_seq_lengths_kv must be a host list"):
-        run(q, kc, vc, table, cu, torch.tensor([4, 4]))
+def test_lengths_are_host_lists_not_tensors():  # F2
+    case = Case([1, 1], [4, 4])
+    with pytest.raises(TypeError, match="'actual_seq_lengths' must be tuple of ints, not Tensor"):
+        case.run(actual_seq_lengths=torch.tensor(case.cu))
+    with pytest.raises(TypeError, match="'actual_seq_lengths_kv' must be tuple of ints"):
+        case.run(actual_seq_lengths_kv=torch.tensor([4, 4]))
 
 
-def test_cumulative_lengths_must_not_decrease():
-    q, kc, vc, table, _, _, _ = paged_case([2, 1, 2], [2, 3, 4])
-    with pytest.raises(AscendOpError, match="cumulative and non-decreasing"):
-        run(q, kc, vc, table, [2, 1, 5], [2, 3, 4])
-
-
-def test_batch_must_match_block_table_rows_and_kv_list():
-    q, kc, vc, table, cu, _, _ = paged_case([1, 1, 1], [4, 4, 4])
-    with pytest.raises(AscendOpError, match=r"rows of blockTable\(2\)"):
-        run(q, kc, vc, table[:2], cu, [4, 4, 4])
-    with pytest.raises(AscendOpError, match=r"actualSequenceLengthKV\(2\)"):
-        run(q, kc, vc, table, cu, [4, 4])
-
-
-def test_at_most_4096_entries():
+def test_lengths_are_required_non_decreasing_and_at_most_4096():  # F2
+    case = Case([2, 1, 2], [2, 3, 4])
+    with pytest.raises(AscendOpError, match="actualSequenceLengthQ is required"):
+        case.run(actual_seq_lengths=[])
+    with pytest.raises(AscendOpError, match="non-decreasing"):
+        case.run(actual_seq_lengths=[2, 1, 5])
     n = 4097
-    q = torch.randn(n, 2, 16)
-    kc = torch.randn(2, 16, 1, 16)
-    table = torch.zeros(n, 1, dtype=torch.int32)
+    big = Case([1] * 2, [1] * 2)
     with pytest.raises(AscendOpError, match="at most 4096"):
-        run(q, kc, kc, table, list(range(1, n + 1)), [1] * n, n_kv=1)
+        big.run(query=torch.zeros(n, 8, 32, dtype=BF16), actual_seq_lengths=list(range(1, n + 1)),
+                actual_seq_lengths_kv=[1] * n, block_table=torch.zeros(n, 1, dtype=torch.int32))
 
 
-@pytest.mark.parametrize("block", [8, 100, 1024])
-def test_block_size_must_be_accepted_by_the_chip(block):
-    q, kc, vc, table, cu, _, _ = paged_case([1], [4])
-    with pytest.raises(AscendOpError, match=rf"blockSize\({block}\) is invalid"):
-        run(q, kc, vc, table, cu, [4], block=block)
-
-
-def test_kv_shorter_than_query_and_overflowing_table_are_errors():
-    q, kc, vc, table, cu, _, _ = paged_case([4], [4])
+def test_kv_lengths_match_the_batch_and_the_block_table():  # F5
+    case = Case([1, 1, 1], [4, 4, 20])
+    with pytest.raises(AscendOpError, match=r"The size\(2\) of actualSeqLengthsKv is not equal "
+                                            r"to the batchSize\(3\)"):
+        case.run(actual_seq_lengths_kv=[4, 4])
+    with pytest.raises(AscendOpError, match=r"block table shape should be \[3, >=2\], now is "
+                                            r"\[2, 2\]"):
+        case.run(block_table=case.table[:2].contiguous())
+    with pytest.raises(AscendOpError, match=r"block table shape should be \[3, >=3\]"):
+        case.run(actual_seq_lengths_kv=[4, 4, 40])
     with pytest.raises(AscendOpError, match="less than the query length"):
-        run(q, kc, vc, table, cu, [3])
-    with pytest.raises(AscendOpError, match="exceeds blockTable capacity"):
-        run(q, kc, vc, table, cu, [17])
+        Case([4], [4]).run(actual_seq_lengths_kv=[3])
 
 
-def test_reshape_and_cache_skips_padding_slots():
-    kc = torch.zeros(4, 16, 2, 8)
-    vc = torch.zeros(4, 16, 2, 8)
-    key = torch.randn(5, 2, 8)
-    value = torch.randn(5, 2, 8)
-    slots = torch.tensor([17, -1, 0, 63, -1])
-    sim.reshape_and_cache(key, value, kc, vc, slots)
-    torch.testing.assert_close(kc[1, 1], key[0])
-    torch.testing.assert_close(vc[0, 0], value[2])
-    torch.testing.assert_close(kc[3, 15], key[3])
-    assert kc.flatten(0, 1).abs().sum(-1).sum(-1).count_nonzero() == 3  # padding wrote nothing
+def test_block_table_is_2d_int32():  # F5
+    case = Case([1], [4])
+    with pytest.raises(AscendOpError, match="error code is 161002(.|\n)*2-D int32"):
+        case.run(block_table=case.table.long())
+
+
+def test_paged_caches_are_3d_bnbsh_with_the_block_size():  # F6
+    case = Case([1], [4])
+    with pytest.raises(AscendOpError, match="the cache shape must be BnBsH"):
+        case.run(key=case.k4, value=case.v4)
+    with pytest.raises(AscendOpError, match="consistent with input blockSize"):
+        case.run(block_size=32)
+    for bad in (8, 100, 512):
+        with pytest.raises(AscendOpError, match=rf"blockSize\({bad}\) must be a multiple of 16"):
+            case.run(block_size=bad)
+
+
+def test_dtypes_fp16_or_bf16_and_equal():  # F8
+    case = Case([1], [4])
+    with pytest.raises(AscendOpError, match="161002(.|\n)*Input dtype of Q, K, and V must be "
+                                            "consitent"):
+        case.run(query=case.q.float())
+    f32 = Case([1], [4], dtype=torch.float32)
+    with pytest.raises(AscendOpError, match="float16 or bfloat16"):
+        f32.run()
+
+
+def test_head_dim_and_head_counts():  # F8-F10
+    with pytest.raises(AscendOpError, match="headDim shall not exceed 256"):
+        Case([1], [4], n_heads=2, n_kv=1, d=272).run()
+    with pytest.raises(AscendOpError, match="D should be 16 elements aligned"):
+        Case([1], [4], n_heads=2, n_kv=1, d=24).run()
+    with pytest.raises(AscendOpError, match=r"numHeads\(6\) and numKeyValueHeads\(4\)"):
+        Case([1], [4], n_heads=6, n_kv=4, d=16).run()
+    with pytest.raises(AscendOpError, match="must be equal to numHeads"):
+        Case([1], [4]).run(num_heads=4)
+
+
+def test_mask_and_sparse_mode():  # F11-F13
+    case = Case([2], [4])
+    with pytest.raises(AscendOpError, match="sparse_mode 7 is not supported"):
+        case.run(sparse_mode=7)
+    with pytest.raises(AscendOpError, match="When attnMask is provided, sparseMode must be 3 or 4"):
+        case.run(sparse_mode=0)
+    with pytest.raises(AscendOpError, match="maskDim 1024 shall be 2048"):
+        case.run(atten_mask=MASK[:1024, :1024].contiguous())
+    with pytest.raises(AscendOpError, match="attnMask dtype must be bool, int8 or uint8"):
+        case.run(atten_mask=MASK.float())
+    with pytest.raises(AscendOpError, match="not causal"):
+        case.run(sparse_mode=0, atten_mask=None)
+
+
+def test_inputs_must_be_contiguous():  # F14
+    case = Case([2], [4])
+    strided = torch.zeros(2, 8, 64, dtype=BF16)[:, :, :32]  # a head-dim slice
+    with pytest.raises(AscendOpError, match="query must be contiguous"):
+        case.run(query=strided)
+
+
+def test_unsupported_keywords_are_refused_not_ignored():
+    case = Case([1], [4])
+    with pytest.raises(NotImplementedError, match="pse_shift is not simulated"):
+        case.run(pse_shift=torch.zeros(1))
+    with pytest.raises(TypeError, match="unexpected keyword argument 'actual_seq_qlen'"):
+        case.run(actual_seq_qlen=[1])

@@ -1,21 +1,21 @@
-"""The simulator's graph semantics: what a captured ACL graph does and refuses to do."""
+"""The simulator's torch.npu graphs: what a captured ACL graph does and refuses to do, through
+torch_npu's own API (NPUGraph, torch.npu.graph, task groups and updates, ExternalEvent)."""
 
 import pytest
 import torch
 
-from vllm_ascend.device.sim import SimBackend
-from vllm_ascend.device.sim_graph import (GraphCaptureError, GraphPool, SimGraph,
-                                          StreamPool, StreamResourceError)
-from vllm_ascend.device.sim_ops import ATTEN_MASK_SIZE
+from vllm_ascend.device import sim as torch_npu
+from vllm_ascend.device.sim import npu
+from vllm_ascend.device.sim.graph import GraphCaptureError, GraphReplayError, StreamResourceError
 
-sim = SimBackend(reason="test")
+MASK = torch.triu(torch.ones(2048, 2048), diagonal=1).to(torch.int8)
+BF16 = torch.bfloat16
 
 
-def capture(fn, *args, streams=None, pool=None):
-    g = SimGraph(streams or StreamPool(lambda: 16))
-    with g.capture(pool):
+def capture(fn, *args, pool=None):
+    g = npu.NPUGraph()
+    with npu.graph(g, pool=pool):
         out = fn(*args)
-    g.finalize(out)
     return g, out
 
 
@@ -53,63 +53,56 @@ def test_second_replay_overwrites_the_first_replays_output():
     torch.testing.assert_close(out, mlp(x, w, []))
 
 
-def fia(q, k, v, table, kv_lens):
-    mask = torch.ones(ATTEN_MASK_SIZE, ATTEN_MASK_SIZE, dtype=torch.bool).triu(1)
-    return sim.fused_infer_attention_score(
-        q, k, v, actual_seq_lengths=[1], actual_seq_lengths_kv=kv_lens, block_table=table,
-        block_size=16, num_heads=2, num_key_value_heads=2, scale=0.5, atten_mask=mask)
-
-
-def test_host_lists_are_frozen_at_capture_and_replay_stale_values():
-    q = torch.randn(1, 2, 8)
-    k, v = torch.randn(2, 16, 2, 8), torch.randn(2, 16, 2, 8)
-    table = torch.tensor([[1]], dtype=torch.int32)
-    g, out = capture(fia, q, k, v, table, [3])
+def test_capture_needs_a_non_default_stream():
+    g = npu.NPUGraph()
+    with pytest.raises(RuntimeError, match="non-default stream"):
+        g.capture_begin()
+    s = npu.Stream()
+    with npu.stream(s):
+        g.capture_begin()
+        assert npu.is_current_stream_capturing()
+        y = torch.ones(2) * 3
+        g.capture_end()
+    assert not npu.is_current_stream_capturing()
+    y.zero_()
     g.replay()
-    with_3 = out.clone()
-    # The next step has 9 tokens of KV: Python would pass [9], the graph still holds [3].
-    fresh = fia(q, k, v, table, [9])
-    g.replay()
-    torch.testing.assert_close(out, with_3)
-    assert not torch.allclose(out, fresh)
+    assert y.tolist() == [3.0, 3.0]
 
 
-def test_item_and_tolist_during_capture_raise():
+def test_item_and_tolist_during_capture_raise_and_release_the_stream():
     x = torch.randn(3)
-    g = SimGraph(StreamPool(lambda: 4))
+    before = npu.streams_in_use()
     with pytest.raises(GraphCaptureError, match=r"host synchronisation \(.item"):
-        with g.capture():
-            (x * 2).sum().item()
-    g = SimGraph(StreamPool(lambda: 4))
+        capture(lambda: (x * 2).sum().item())
     with pytest.raises(GraphCaptureError, match=r"\.tolist\(\)"):
-        with g.capture():
-            (x * 2).tolist()
+        capture(lambda: (x * 2).tolist())
     assert x.tolist()  # restored after capture
+    assert npu.streams_in_use() == before
 
 
-def test_stream_budget_exhaustion_raises_207008_and_reset_frees_a_stream():
-    streams = StreamPool(lambda: 2)
+def test_stream_budget_exhaustion_raises_207008_and_reset_frees_a_stream(monkeypatch):
     w, x = torch.randn(8, 8), torch.randn(2, 8)
-    g1, _ = capture(lambda: x @ w, streams=streams)
-    g2, _ = capture(lambda: x @ w, streams=streams)
-    assert streams.in_use == 2
+    base = npu.streams_in_use()
+    monkeypatch.setenv("VLLM_ASCEND_SIM_STREAMS", str(base + 2))
+    g1, _ = capture(lambda: x @ w)
+    g2, _ = capture(lambda: x @ w)
+    assert npu.streams_in_use() == base + 2
     with pytest.raises(StreamResourceError, match="207008.*stream resources are insufficient"):
-        capture(lambda: x @ w, streams=streams)
-    assert streams.in_use == 2  # the failed capture gave its stream back
+        capture(lambda: x @ w)
+    assert npu.streams_in_use() == base + 2  # the failed capture held none
     g1.reset()
-    g3, _ = capture(lambda: x @ w, streams=streams)
-    assert streams.in_use == 2
+    g3, _ = capture(lambda: x @ w)
     del g2, g3  # a freed graph gives its stream back
-    assert streams.in_use == 0
+    assert npu.streams_in_use() == base
 
 
-def test_graphs_share_one_pool_sized_by_the_largest():
-    pool = GraphPool()
+def test_graphs_share_one_pool_sized_by_the_largest_and_keep_their_outputs():
+    pool = npu.graph_pool_handle()
     w = torch.randn(64, 64)
     xs = {n: torch.randn(n, 64) for n in (32, 8, 1)}
     graphs = {n: capture(mlp, xs[n], w, [], pool=pool) for n in (32, 8, 1)}
-    assert pool.nbytes == graphs[32][0].scratch_bytes
-    assert graphs[32][0].scratch_bytes > graphs[8][0].scratch_bytes > 0
+    scratch = {n: g.sim_graph.scratch_bytes for n, (g, _) in graphs.items()}
+    assert pool.pool.arena.numel() == scratch[32] > scratch[8] > 0
     for n, (g, out) in graphs.items():  # still correct after sharing
         xs[n].copy_(torch.randn(n, 64))
         g.replay()
@@ -117,6 +110,7 @@ def test_graphs_share_one_pool_sized_by_the_largest():
 
 
 def test_graph_wrapper_refuses_inputs_at_other_addresses():
+    from vllm.compilation.monitor import set_cudagraph_capturing_enabled
     from vllm.config import CUDAGraphMode, VllmConfig
     from vllm.forward_context import BatchDescriptor, set_forward_context
 
@@ -124,11 +118,9 @@ def test_graph_wrapper_refuses_inputs_at_other_addresses():
 
     config = VllmConfig()
     w = torch.randn(8, 8)
-    wrapper = ACLGraphWrapper(lambda x: x @ w, config, CUDAGraphMode.FULL)
+    wrapper = ACLGraphWrapper(lambda x: x @ w, config, CUDAGraphMode.PIECEWISE)
     x = torch.randn(2, 8)
-    from vllm.compilation.monitor import set_cudagraph_capturing_enabled
-
-    with set_forward_context(None, config, cudagraph_runtime_mode=CUDAGraphMode.FULL,
+    with set_forward_context(None, config, cudagraph_runtime_mode=CUDAGraphMode.PIECEWISE,
                              batch_descriptor=BatchDescriptor(num_tokens=2)):
         set_cudagraph_capturing_enabled(True)
         out = wrapper(x)
@@ -140,34 +132,141 @@ def test_graph_wrapper_refuses_inputs_at_other_addresses():
     wrapper.clear_graphs()
 
 
-def test_task_update_replaces_host_lists_for_the_next_replay_only_once_per_replay():
-    from vllm_ascend.device.sim_graph import TaskUpdateError
+# -- FIA in a graph: frozen host lists, task updates, ExternalEvents ------------------------------
 
-    q = torch.randn(1, 2, 8)
-    k, v = torch.randn(2, 16, 2, 8), torch.randn(2, 16, 2, 8)
-    table = torch.tensor([[1]], dtype=torch.int32)
-    mask = torch.ones(ATTEN_MASK_SIZE, ATTEN_MASK_SIZE, dtype=torch.bool).triu(1)
-    out = torch.empty(1, 2, 8)
-    args = dict(actual_seq_lengths=[1], block_table=table, block_size=16, num_heads=2,
-                num_key_value_heads=2, scale=0.5, atten_mask=mask)
-    g = SimGraph(sim.streams)
-    with g.capture():
-        sim.task_group_begin()
-        sim.fused_infer_attention_score(q, k, v, actual_seq_lengths_kv=[3], out=out, **args)
-        handle = sim.task_group_end()
-    g.finalize(out)
-    expected = sim.fused_infer_attention_score(q, k, v, actual_seq_lengths_kv=[9], **args)
-    sim.task_update_begin(None, handle)
-    sim.fused_infer_attention_score(q, k, v, actual_seq_lengths_kv=[9], out=out, **args)
-    sim.task_update_end(None)
-    with pytest.raises(TaskUpdateError, match="before a replay consumed the first"):
-        sim.task_update_begin(None, handle)
-        try:
-            sim.fused_infer_attention_score(q, k, v, actual_seq_lengths_kv=[5], out=out, **args)
-        finally:
-            sim.task_update_end(None)
-    g.replay()
-    torch.testing.assert_close(out, expected)  # the update landed before attention ran
-    g.replay()
-    torch.testing.assert_close(out, expected)  # and stays until the next update
-    g.reset()
+class Attention:
+    """One FIA call captured the way vllm-ascend captures it (attention/backend.py)."""
+
+    def __init__(self):
+        g = torch.Generator().manual_seed(0)
+        self.q = torch.randn(1, 2, 16, generator=g).to(BF16)
+        self.k = torch.randn(2, 16, 32, generator=g).to(BF16)  # BnBsH: 2 blocks of 16
+        self.v = torch.randn(2, 16, 32, generator=g).to(BF16)
+        self.table = torch.tensor([[1]], dtype=torch.int32)
+        self.stream = npu.Stream()  # the update stream
+
+    def args(self, kv_len):
+        return dict(query=self.q, key=self.k, value=self.v, atten_mask=MASK,
+                    block_table=self.table, input_layout="TND", block_size=16,
+                    actual_seq_lengths=[1], actual_seq_lengths_kv=[kv_len],
+                    num_key_value_heads=2, num_heads=2, scale=0.5, sparse_mode=3)
+
+    def eager(self, kv_len):
+        return torch_npu.npu_fused_infer_attention_score(**self.args(kv_len))[0]
+
+    def capture(self, kv_len, with_event=True):
+        self.graph = npu.NPUGraph()
+        with npu.graph(self.graph):
+            self.ws = torch_npu._npu_fused_infer_attention_score_get_max_workspace(
+                **self.args(kv_len))
+            self.out = torch.empty_like(self.q)
+            self.lse = torch.empty(1, dtype=BF16)
+            stream = npu.current_stream()
+            self.event = npu.ExternalEvent() if with_event else None
+            if with_event:
+                self.event.wait(stream)
+                self.event.reset(stream)
+            npu.graph_task_group_begin(stream)
+            torch_npu.npu_fused_infer_attention_score.out(**self.args(kv_len), workspace=self.ws,
+                                                          out=[self.out, self.lse])
+            self.handle = npu.graph_task_group_end(stream)
+            doubled = self.out * 2  # work after attention, in the same graph
+        self.doubled = doubled
+
+    def update(self, kv_len, record=True):
+        with npu.stream(self.stream):
+            npu.graph_task_update_begin(self.stream, self.handle)
+            torch_npu.npu_fused_infer_attention_score.out(**self.args(kv_len), workspace=self.ws,
+                                                          out=[self.out, self.lse])
+            npu.graph_task_update_end(self.stream)
+            if record:
+                self.event.record(self.stream)
+
+
+def test_host_lists_are_frozen_at_capture_and_a_replay_reads_stale_values():
+    a = Attention()
+    a.capture(3, with_event=False)
+    a.graph.replay()
+    torch.testing.assert_close(a.out, a.eager(3))
+    # The next step has 9 tokens of KV: Python would pass [9]; the graph still holds [3].
+    a.graph.replay()
+    torch.testing.assert_close(a.out, a.eager(3))
+    assert not torch.allclose(a.out, a.eager(9))
+
+
+@pytest.mark.parametrize("order", ["update, then replay", "replay, then update"])
+def test_task_update_with_event_gives_the_replay_this_steps_lengths_in_either_order(order):
+    a = Attention()
+    a.capture(3)
+    for kv_len in (9, 5, 12):
+        if order == "update, then replay":  # torch_npu's reference test
+            a.update(kv_len)
+            a.graph.replay()
+        else:  # upstream vllm-ascend: launch the replay, then update and record
+            a.graph.replay()  # held at the event wait
+            a.update(kv_len)  # the record resumes it
+        torch.testing.assert_close(a.out, a.eager(kv_len))
+        torch.testing.assert_close(a.doubled, a.eager(kv_len) * 2)
+
+
+def test_a_replay_whose_event_nobody_records_fails_loudly():
+    a = Attention()
+    a.capture(3)
+    a.graph.replay()  # waits for an update that never comes
+    with pytest.raises(GraphReplayError, match="waits on an ExternalEvent that no task update "
+                                               "recorded"):
+        _ = a.doubled + 1  # anything that depends on the graph's work
+    a.graph.replay()
+    a.update(9, record=False)  # the update without its record: still waiting
+    with pytest.raises(GraphReplayError, match="no task update recorded"):
+        npu.current_stream().synchronize()
+
+
+def test_an_event_is_recorded_once_per_replay():
+    a = Attention()
+    a.capture(3)
+    a.update(9)
+    with pytest.raises(RuntimeError, match="recorded twice without a reset"):
+        a.update(5)
+
+
+def test_task_update_rules():
+    a = Attention()
+    a.capture(3)
+    with pytest.raises(RuntimeError, match="stream that is not capturing"):
+        s = npu.Stream()
+        with npu.stream(s):
+            g = npu.NPUGraph()
+            g.capture_begin()
+            try:
+                npu.graph_task_update_begin(s, a.handle)
+            finally:
+                g.capture_end()
+    with pytest.raises(RuntimeError, match="no task was issued on the update stream"):
+        npu.graph_task_update_begin(a.stream, a.handle)  # the op then goes to another stream
+        npu.graph_task_update_end(a.stream)
+    with pytest.raises(RuntimeError, match="is not the captured tensor"):
+        with npu.stream(a.stream):
+            npu.graph_task_update_begin(a.stream, a.handle)
+            try:
+                torch_npu.npu_fused_infer_attention_score.out(
+                    **a.args(9), workspace=a.ws, out=[a.out.clone(), a.lse])
+            finally:
+                a.stream.update_handle = None
+    with pytest.raises(RuntimeError, match="re-issues the captured op"):
+        with npu.stream(a.stream):
+            npu.graph_task_update_begin(a.stream, a.handle)
+            try:
+                torch_npu.npu_fused_infer_attention_score(**a.args(9))
+            finally:
+                a.stream.update_handle = None
+    with pytest.raises(RuntimeError, match="needs a stream that is capturing"):
+        npu.graph_task_group_begin(npu.current_stream())
+
+
+def test_updated_host_values_are_checked_at_replay():
+    a = Attention()
+    a.capture(3)
+    a.update(40)  # more KV than the block table's one block holds
+    with pytest.raises(Exception, match=r"block table shape should be \[1, >=3\]"):
+        a.graph.replay()

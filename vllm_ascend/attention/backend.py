@@ -1,11 +1,11 @@
-"""AscendAttentionBackend: vLLM attention on the fused infer attention (FIA) operator.
+"""AscendAttentionBackend: vLLM attention on the fused infer attention operator (FIA).
 
 Metadata carries what FIA takes: cumulative query lengths and per-request KV lengths as *host
-lists*, the block table and the slot mapping. KV cache: K and V as
-[num_blocks, block_size, num_kv_heads, head_size] views of vLLM's cache tensor.
+lists*, an int32 block table, the int8 causal mask and the int32 slot mapping. Each layer's KV
+cache is one [2, num_blocks, block_size, num_kv_heads, head_size] tensor whose halves are the
+separate, contiguous K and V caches FIA reads as [num_blocks, block_size, H] (BnBsH) views.
 """
 
-import enum
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -22,42 +22,29 @@ from vllm.v1.attention.backend import (
 from vllm.v1.attention.backends.registry import register_backend
 from vllm.v1.kv_cache_interface import KVCacheLayout
 
-from vllm_ascend import device
 from vllm_ascend.attention.graph_params import GRAPH_PARAMS, FIACall, pad_for_graph
-from vllm_ascend.device.sim_ops import ATTEN_MASK_SIZE
+from vllm_ascend.device import torch_npu
 
 BACKEND_NAME = "ASCEND"
-
-
-class AscendAttentionState(enum.Enum):
-    """What kind of step this is (for logs and diagnosis). FIA serves all three with the same
-    paged call, which is what lets one FULL graph replay any of them."""
-
-    PREFILL_NO_CACHE = 0  # every request starts from an empty KV cache
-    CHUNKED_PREFILL = 1  # some request has cached tokens (chunked prefill, prefix hit, mixed)
-    DECODE_ONLY = 2  # one new token per request
+ATTEN_MASK_SIZE = 2048  # FIA's sparse_mode 3 takes a compressed 2048x2048 causal mask
+CAUSAL = 3  # FIA sparse_mode: causal, with the compressed mask
+NO_BAND = 2147483647  # pre_tokens/next_tokens: no band limit (passed explicitly in graphs)
 
 
 @dataclass
 class AscendMetadata:
     num_actual_tokens: int  # real tokens; the input may be padded beyond this
     num_reqs: int
-    attn_state: AscendAttentionState
     actual_seq_lengths_q: list[int]  # cumulative query lengths (host), FIA's actual_seq_lengths
     seq_lens_list: list[int]  # per-request KV lengths (host), FIA's actual_seq_lengths_kv
-    block_table: torch.Tensor  # [num_reqs, max_blocks_per_req]
-    slot_mapping: torch.Tensor  # [num_tokens], -1 for tokens that write no KV
-    atten_mask: torch.Tensor  # the 2048x2048 causal mask FIA's sparse_mode 3 takes
-    max_query_len: int
-    max_seq_len: int
+    block_table: torch.Tensor  # int32 [len(actual_seq_lengths_q), max_blocks_per_req]
+    slot_mapping: torch.Tensor  # int32 [num_tokens], -1 for tokens that write no KV
+    atten_mask: torch.Tensor  # the int8 2048x2048 causal mask (1 = masked)
 
 
-def split_kv_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM's per-layer cache [blocks, kv_heads, block_size, 2*head] -> K, V views in FIA's
-    [blocks, block_size, kv_heads, head] order (the physical order is LBNHC, so no copy)."""
-    kv = kv_cache.permute(0, 2, 1, 3)
-    head_size = kv.shape[-1] // 2
-    return kv[..., :head_size], kv[..., head_size:]
+def kv_caches_of(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's [2, blocks, block_size, kv_heads, head] cache -> its K and V caches."""
+    return kv_cache[0], kv_cache[1]
 
 
 class AscendAttentionMetadataBuilder(AttentionMetadataBuilder[AscendMetadata]):
@@ -67,8 +54,9 @@ class AscendAttentionMetadataBuilder(AttentionMetadataBuilder[AscendMetadata]):
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device_):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device_)
-        self.atten_mask = torch.ones(ATTEN_MASK_SIZE, ATTEN_MASK_SIZE, dtype=torch.bool,
-                                     device=device_).triu_(1)
+        # Upper triangle 1 = masked, as upstream builds it for sparse_mode 3.
+        self.atten_mask = torch.triu(torch.ones(ATTEN_MASK_SIZE, ATTEN_MASK_SIZE),
+                                     diagonal=1).to(torch.int8).to(device_)
         self._init_reorder_batch_threshold(1)
         sched = vllm_config.scheduler_config
         self.block_size = kv_cache_spec.block_size
@@ -88,13 +76,6 @@ class AscendAttentionMetadataBuilder(AttentionMetadataBuilder[AscendMetadata]):
         seq_lens = (seq_lens if seq_lens is not None else cam.seq_lens)[:num_reqs].tolist()
         # Scheduled requests have tokens; the runner's graph padding appends empty ones.
         num_real = next((i for i, q in enumerate(q_lens) if q == 0), num_reqs)
-        real_q, real_kv = q_lens[:num_real], seq_lens[:num_real]
-        if all(q == s for q, s in zip(real_q, real_kv)):
-            state = AscendAttentionState.PREFILL_NO_CACHE
-        elif max(real_q, default=0) <= 1:
-            state = AscendAttentionState.DECODE_ONLY
-        else:
-            state = AscendAttentionState.CHUNKED_PREFILL
         cu_q, kv_lens = pad_for_graph(q_lens, seq_lens, num_real, cam.num_actual_tokens,
                                       self.max_blocks * self.block_size)
         block_table = self.block_table[: num_reqs + 1]
@@ -104,14 +85,11 @@ class AscendAttentionMetadataBuilder(AttentionMetadataBuilder[AscendMetadata]):
         return AscendMetadata(
             num_actual_tokens=cam.num_actual_tokens,
             num_reqs=num_reqs,
-            attn_state=state,
             actual_seq_lengths_q=cu_q,
             seq_lens_list=kv_lens,
             block_table=block_table,
             slot_mapping=cam.slot_mapping,
             atten_mask=self.atten_mask,
-            max_query_len=cam.max_query_len,
-            max_seq_len=cam.max_seq_len,
         )
 
 
@@ -137,46 +115,73 @@ class AscendAttentionImpl(AttentionImpl):
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         if kv_cache is None or kv_cache.numel() == 0:
             return
-        key_cache, value_cache = split_kv_cache(kv_cache)
-        device.current.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+        key_cache, value_cache = kv_caches_of(kv_cache)
+        n = slot_mapping.shape[0]
+        # As upstream (device_op.py): the ND caches need cache_mode="Norm"; padded tokens carry
+        # slot -1 and write nothing.
+        torch_npu.npu_scatter_pa_kv_cache(
+            key=key[:n].view(n, self.num_kv_heads, self.head_size).contiguous(),
+            value=value[:n].view(n, self.num_kv_heads, self.head_size).contiguous(),
+            key_cache=key_cache, value_cache=value_cache, slot_mapping=slot_mapping,
+            cache_mode="Norm")
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata: AscendMetadata | None,
                 output: torch.Tensor, output_scale=None, output_block_scale=None):
         if attn_metadata is None:  # profiling run: no metadata, nothing to attend to
             return output.fill_(0)
-        # PIECEWISE/eager pass real tokens only; FULL graphs pass the padded count, which the
-        # metadata covers with fake requests (FIA's TND check: tokens == last cumulative length).
+        key_cache, value_cache = kv_caches_of(kv_cache)
+        num_blocks, block_size = key_cache.shape[:2]
+        fia_args = dict(
+            key=key_cache.view(num_blocks, block_size, -1),  # BnBsH, as FIA reads paged KV
+            value=value_cache.view(num_blocks, block_size, -1),
+            atten_mask=attn_metadata.atten_mask, block_table=attn_metadata.block_table,
+            input_layout="TND", block_size=block_size,
+            actual_seq_lengths=attn_metadata.actual_seq_lengths_q,
+            actual_seq_lengths_kv=attn_metadata.seq_lens_list,
+            num_key_value_heads=self.num_kv_heads, num_heads=self.num_heads, scale=self.scale,
+            sparse_mode=CAUSAL)
+        if torch_npu.npu.is_current_stream_capturing():
+            # Inside a FULL graph: the query is not sliced (the metadata is padded to it).
+            n = attn_metadata.actual_seq_lengths_q[-1]
+            self._capture_fia(query.view(n, self.num_heads, self.head_size),
+                              output.view(n, self.num_heads, self.head_size), fia_args)
+            return output
+        # Eager, or between PIECEWISE pieces: the real tokens only.
         n = attn_metadata.num_actual_tokens
-        query = query[:n].view(n, self.num_heads, self.head_size)
-        out = output[:n].view(n, self.num_heads, self.head_size)
-        key_cache, value_cache = split_kv_cache(kv_cache)
-        # Always paged: the KV update has already written this step's keys, and a FULL graph
-        # needs the same operator whatever the batch it replays.
-        args = dict(actual_seq_lengths=attn_metadata.actual_seq_lengths_q,
-                    actual_seq_lengths_kv=attn_metadata.seq_lens_list,
-                    block_table=attn_metadata.block_table, block_size=key_cache.shape[1],
-                    num_heads=self.num_heads, num_key_value_heads=self.num_kv_heads,
-                    scale=self.scale, input_layout="TND", sparse_mode=3,
-                    atten_mask=attn_metadata.atten_mask)
-        backend = device.current
-        if GRAPH_PARAMS.capturing and backend.is_capturing():
-            backend.task_group_begin()
-            backend.fused_infer_attention_score(query, key_cache, value_cache, out=out, **args)
-            GRAPH_PARAMS.record(FIACall(
-                handle=backend.task_group_end(), query=query, key_cache=key_cache,
-                value_cache=value_cache, block_table=attn_metadata.block_table,
-                atten_mask=attn_metadata.atten_mask, out=out, num_heads=self.num_heads,
-                num_kv_heads=self.num_kv_heads, scale=self.scale))
-        else:
-            backend.fused_infer_attention_score(query, key_cache, value_cache, out=out, **args)
+        attn_out, _ = torch_npu.npu_fused_infer_attention_score(
+            query=query[:n].view(n, self.num_heads, self.head_size), **fia_args)
+        output[:n].view(n, self.num_heads, self.head_size).copy_(attn_out)
         return output
+
+    def _capture_fia(self, query, out, fia_args) -> None:
+        """Upstream's FULL-graph protocol: the .out call with a workspace that serves any
+        lengths, in a task group whose handle the update re-issues, after a wait on an
+        ExternalEvent that each update records."""
+        fia_args = dict(fia_args, pre_tokens=NO_BAND, next_tokens=NO_BAND)
+        workspace = GRAPH_PARAMS.workspace(
+            lambda: torch_npu._npu_fused_infer_attention_score_get_max_workspace(
+                query=query, **fia_args))
+        softmax_lse = torch.empty(1, dtype=query.dtype, device=query.device)
+        stream = torch_npu.npu.current_stream()
+        event = torch_npu.npu.ExternalEvent()
+        event.wait(stream)
+        event.reset(stream)
+        torch_npu.npu.graph_task_group_begin(stream)
+        torch_npu.npu_fused_infer_attention_score.out(
+            query=query, **fia_args, workspace=workspace, out=[out, softmax_lse])
+        handle = torch_npu.npu.graph_task_group_end(stream)
+        GRAPH_PARAMS.record(FIACall(
+            handle=handle, event=event, query=query, key=fia_args["key"],
+            value=fia_args["value"], block_table=fia_args["block_table"],
+            atten_mask=fia_args["atten_mask"], block_size=fia_args["block_size"],
+            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, scale=self.scale,
+            workspace=workspace, out=out, softmax_lse=softmax_lse))
 
 
 class AscendAttentionBackend(AttentionBackend):
     accept_output_buffer: bool = True
     forward_includes_kv_cache_update: bool = False
-    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16,
-                                                     torch.float32]
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16]
     supported_kv_cache_dtypes: ClassVar[list] = ["auto"]
 
     @staticmethod
@@ -193,7 +198,7 @@ class AscendAttentionBackend(AttentionBackend):
 
     @staticmethod
     def get_supported_kernel_block_sizes(kv_cache_spec=None):
-        return [MultipleOf(16)]  # FIA's paged-KV rule; see device/sim_ops.check_block_size
+        return [MultipleOf(16)]  # FIA's paged-KV rule (a multiple of 16, below 512)
 
     @classmethod
     def get_preferred_block_size(cls, default_block_size: int) -> int:
@@ -201,11 +206,12 @@ class AscendAttentionBackend(AttentionBackend):
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
-        return [16, 32, 64, 80, 96, 128, 192, 256]
+        return list(range(16, 257, 16))  # FIA in TND: at most 256, 16-element aligned
 
     @classmethod
     def supported_kv_cache_layouts(cls):
-        # Block, position, head, content: FIA's [blocks, block_size, kv_heads, head] order.
+        # Layer-outermost: each layer's pages are one contiguous region, which the runner
+        # views as that layer's separate K and V caches.
         return (KVCacheLayout.LBNHC,)
 
     @classmethod

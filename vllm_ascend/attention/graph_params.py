@@ -1,9 +1,11 @@
 """FIA graph parameters: what each attention layer's captured FIA call needs to be re-issued.
 
-At FULL capture every layer's FIA runs inside a task group; its handle and the tensors it reads
-are kept per batch descriptor. Before each FULL replay, ``update`` re-issues every layer's FIA
-with the step's host lists through a task update, on an update stream, so that the replay's
-attention nodes run with this step's lengths instead of the capture's.
+At FULL capture every layer's FIA ``.out`` call runs inside a task group, after a wait on an
+ExternalEvent; its handle, event and the tensors it reads are kept per batch descriptor, with one
+workspace per descriptor. After each FULL replay is launched, ``update`` re-issues every layer's
+FIA with the step's host lists through a task update on the update stream and records the
+layer's event there: the replay's attention node waits for exactly that record, so it runs with
+this step's lengths instead of the capture's.
 """
 
 import dataclasses
@@ -11,26 +13,31 @@ from typing import Any
 
 import torch
 
-from vllm_ascend import device
+from vllm_ascend.device import torch_npu
 
 
 @dataclasses.dataclass
 class FIACall:
     handle: Any
+    event: Any
     query: torch.Tensor
-    key_cache: torch.Tensor
-    value_cache: torch.Tensor
+    key: torch.Tensor  # BnBsH view of the layer's K cache
+    value: torch.Tensor
     block_table: torch.Tensor
     atten_mask: torch.Tensor
-    out: torch.Tensor
+    block_size: int
     num_heads: int
     num_kv_heads: int
     scale: float
+    workspace: torch.Tensor
+    out: torch.Tensor
+    softmax_lse: torch.Tensor
 
 
 class GraphParams:
     def __init__(self):
         self.calls: dict[Any, list[FIACall]] = {}  # batch descriptor -> one per layer, in order
+        self.workspaces: dict[Any, torch.Tensor] = {}
         self._capturing_key = None
         self._stream = None
 
@@ -41,33 +48,38 @@ class GraphParams:
     def end_capture(self) -> None:
         self._capturing_key = None
 
-    @property
-    def capturing(self) -> bool:
-        return self._capturing_key is not None
+    def workspace(self, make) -> torch.Tensor:
+        """The capture size's FIA workspace: made by the first layer, shared by all."""
+        key = self._capturing_key
+        if key not in self.workspaces:
+            self.workspaces[key] = make()
+        return self.workspaces[key]
 
     def record(self, call: FIACall) -> None:
         self.calls[self._capturing_key].append(call)
 
     def update(self, key, metadata) -> None:
         """Re-issue each captured FIA of graph ``key`` with ``metadata``'s host lists."""
-        backend = device.current
         if self._stream is None:
-            self._stream = backend.new_stream()
-        for c in self.calls[key]:
-            backend.task_update_begin(self._stream, c.handle)
-            try:
-                backend.fused_infer_attention_score(
-                    c.query, c.key_cache, c.value_cache,
-                    actual_seq_lengths=metadata.actual_seq_lengths_q,
-                    actual_seq_lengths_kv=metadata.seq_lens_list, block_table=c.block_table,
-                    block_size=c.key_cache.shape[1], num_heads=c.num_heads,
-                    num_key_value_heads=c.num_kv_heads, scale=c.scale, input_layout="TND",
-                    sparse_mode=3, atten_mask=c.atten_mask, out=c.out)
-            finally:
-                backend.task_update_end(self._stream)
+            self._stream = torch_npu.npu.Stream()
+        stream = self._stream
+        with torch_npu.npu.stream(stream):
+            for c in self.calls[key]:
+                torch_npu.npu.graph_task_update_begin(stream, c.handle)
+                torch_npu.npu_fused_infer_attention_score.out(
+                    query=c.query, key=c.key, value=c.value, atten_mask=c.atten_mask,
+                    block_table=metadata.block_table, input_layout="TND",
+                    block_size=c.block_size, actual_seq_lengths=metadata.actual_seq_lengths_q,
+                    actual_seq_lengths_kv=metadata.seq_lens_list,
+                    num_key_value_heads=c.num_kv_heads, num_heads=c.num_heads, scale=c.scale,
+                    sparse_mode=3, pre_tokens=2147483647, next_tokens=2147483647,
+                    workspace=c.workspace, out=[c.out, c.softmax_lse])
+                torch_npu.npu.graph_task_update_end(stream)
+                c.event.record(stream)
 
     def clear(self) -> None:
         self.calls.clear()
+        self.workspaces.clear()
 
 
 GRAPH_PARAMS = GraphParams()

@@ -18,8 +18,10 @@ from vllm.compilation.counter import compilation_counter
 from vllm.config import CUDAGraphMode, VllmConfig
 from vllm.forward_context import get_forward_context, is_forward_context_available
 from vllm.compilation.monitor import validate_cudagraph_capturing_enabled
+from vllm.platforms import current_platform
 
 from vllm_ascend import device
+from vllm_ascend.device import torch_npu
 from vllm_ascend.logger import get_logger
 
 logger = get_logger(__name__)
@@ -55,8 +57,8 @@ class GraphHooks:
     def capture_end(self) -> None:
         pass
 
-    def before_replay(self, desc) -> None:
-        pass
+    def after_replay(self, desc) -> None:
+        """Right after a replay was launched (FULL graphs: issue the step's task updates)."""
 
 
 @dataclasses.dataclass
@@ -64,6 +66,16 @@ class _Entry:
     graph: Any
     output: Any
     input_addresses: list[int]
+
+
+def weak_ref_tensors(outputs):
+    """Non-owning references to a capture's outputs (the graph's pool owns them), as upstream's
+    vllm_ascend.utils.weak_ref_tensors does through torch_npu._C._weak_ref_tensor."""
+    if isinstance(outputs, torch.Tensor):
+        return torch_npu._C._weak_ref_tensor(outputs)
+    if isinstance(outputs, (list, tuple)):
+        return type(outputs)(weak_ref_tensors(x) for x in outputs)
+    return outputs
 
 
 def _input_addresses(args) -> list[int]:
@@ -94,7 +106,8 @@ class ACLGraphWrapper:
         self.vllm_config = vllm_config
         self.runtime_mode = runtime_mode
         self.gc_disable = bool(cudagraph_options and cudagraph_options.gc_disable)
-        self.graph_pool = device.current.global_graph_pool()
+        # One pool for every graph of the process, as upstream (captures run largest first).
+        self.graph_pool = current_platform.get_global_graph_pool()
         self.entries: dict = {}
         self.hooks = hooks or GraphHooks()
         ACLGraphWrapper._all_instances.add(self)
@@ -129,21 +142,24 @@ class ACLGraphWrapper:
                 f"{self.runtime_mode.name} graph for {desc} replayed with inputs at other "
                 f"addresses than at capture ({addresses} vs {entry.input_addresses}): the graph "
                 "would read stale buffers. Inputs must live in the runner's persistent buffers.")
-        self.hooks.before_replay(desc)
+        if self.runtime_mode == CUDAGraphMode.FULL:
+            # As upstream: the host must not run ahead of the previous replay, whose attention
+            # may still wait for its update.
+            torch_npu.npu.current_stream().synchronize()
         entry.graph.replay()
+        self.hooks.after_replay(desc)
         STATS.replayed[mode.name] = STATS.replayed.get(mode.name, 0) + 1
         return entry.output
 
     def _capture(self, desc, args, kwargs):
         validate_cudagraph_capturing_enabled()
-        backend = device.current
-        graph = backend.new_graph()
+        graph = torch_npu.npu.NPUGraph()
         with ExitStack() as stack:
             if self.gc_disable:  # one gc per forward is enough while capturing many pieces
                 stack.enter_context(patch("gc.collect", lambda *a, **k: None))
             try:
                 self.hooks.capture_begin(desc)
-                with backend.graph_capture(graph, self.graph_pool):
+                with torch_npu.npu.graph(graph, pool=self.graph_pool):
                     output = self.runnable(*args, **kwargs)
             except Exception as e:
                 if STREAM_EXHAUSTED in str(e):  # the chip's (and simulator's) error code
@@ -151,8 +167,7 @@ class ACLGraphWrapper:
                 raise
             finally:
                 self.hooks.capture_end()
-        backend.graph_finalize(graph, output)
-        self.entries[desc] = _Entry(graph, backend.weak_ref(output), _input_addresses(args))
+        self.entries[desc] = _Entry(graph, weak_ref_tensors(output), _input_addresses(args))
         compilation_counter.num_cudagraph_captured += 1
         name = self.runtime_mode.name
         STATS.captured[name] = STATS.captured.get(name, 0) + 1

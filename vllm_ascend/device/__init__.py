@@ -1,20 +1,124 @@
-"""The only package that knows which device runs: ``npu`` (torch_npu, real chips) or ``sim``.
+"""The only package that knows which device runs, and the one import point of torch_npu.
 
-``current`` is chosen once, at import: ``VLLM_ASCEND_DEVICE=npu|sim`` forces a backend; otherwise
+Product code calls torch_npu's own API through ``from vllm_ascend.device import torch_npu``:
+on a chip that is the real ``torch_npu`` (``torch_npu.npu`` is ``torch.npu``); elsewhere it is
+``vllm_ascend.device.sim``, which implements the same functions on the CPU with the chip's
+contracts. ``current`` holds the few device facts the platform and worker need.
+
+The backend is chosen once, at import: ``VLLM_ASCEND_DEVICE=npu|sim`` forces one; otherwise
 ``npu`` when torch_npu imports and reports a chip, else ``sim``. Detection never crashes a CPU
 machine: torch_npu is imported with its autoload entry point disabled and any failure means sim.
 """
 
 import importlib
 import os
+import types
 
-from vllm_ascend.device.base import DeviceBackend
+import torch
 
 ENV_VAR = "VLLM_ASCEND_DEVICE"
 
 
 class DeviceSelectionError(RuntimeError):
     pass
+
+
+class Backend:
+    """Facts about the device in use (no operators: those are torch_npu's)."""
+
+    name: str  # "npu" or "sim"
+    torch_device_type: str  # the torch device string tensors live on
+    dist_backend: str
+    dispatch_key: str
+
+    def __init__(self, module: types.ModuleType, reason: str):
+        self.torch_npu = module
+        self.reason = reason  # why this backend was chosen, for the start-up log line
+
+    def device_name(self) -> str:
+        return self.torch_npu.npu.get_device_name(0)
+
+    def torch_device(self, index: int = 0) -> torch.device:
+        return torch.device(self.torch_device_type, index)
+
+    def total_memory(self) -> int:
+        return self.torch_npu.npu.mem_get_info()[1]
+
+    def memory_in_use(self) -> int:
+        """Bytes of device memory this process holds now."""
+        return self.torch_npu.npu.memory_allocated()
+
+    def peak_memory_of(self, fn) -> int:
+        """Bytes of device memory ``fn()`` needed at its peak, beyond what was held before."""
+        npu = self.torch_npu.npu
+        before = npu.memory_allocated()
+        npu.reset_peak_memory_stats()
+        fn()
+        return max(npu.max_memory_allocated() - before, 0)
+
+    def stream_budget(self) -> int:
+        """Streams the chip offers to the whole software stack."""
+        return 2048
+
+    def streams_in_use(self) -> int | None:
+        """Streams held by captured graphs, where the device lets us count them."""
+        return None
+
+    def fork_unsafe_reason(self) -> str | None:
+        """Why a child process of this one must be spawned rather than forked, or None."""
+        # As vLLM does for CUDA: a forked child cannot use a device its parent initialised.
+        return ("torch_npu is initialised in this process"
+                if self.torch_npu.npu.is_initialized() else None)
+
+    def prepare_process(self) -> None:
+        """Called once per worker process before the model runner is built."""
+
+
+class NpuBackend(Backend):
+    name, torch_device_type, dist_backend, dispatch_key = "npu", "npu", "hccl", "PrivateUse1"
+
+
+class SimBackend(Backend):
+    name, torch_device_type, dist_backend, dispatch_key = "sim", "cpu", "gloo", "CPU"
+
+    def torch_device(self, index: int = 0) -> torch.device:
+        return torch.device("cpu")  # vLLM builds "cpu:<rank>"; the host has one device
+
+    def total_memory(self) -> int:
+        return self.torch_npu.npu.total_memory()
+
+    def peak_memory_of(self, fn) -> int:
+        # The host is the device: the growth of this process's resident memory.
+        before = self.memory_in_use()
+        fn()
+        return max(self.memory_in_use() - before, 0)
+
+    def stream_budget(self) -> int:
+        return self.torch_npu.npu.stream_budget()
+
+    def streams_in_use(self) -> int | None:
+        return self.torch_npu.npu.streams_in_use()
+
+    def fork_unsafe_reason(self) -> str | None:
+        # The simulator computes with torch's OpenMP pool; once any torch op ran in this process
+        # (a model conversion, a user's own tensors) a forked child hangs in its first parallel
+        # op. Whether one ran cannot be asked of torch, so: always.
+        return ("the simulator computes with torch's OpenMP thread pool, which a fork cannot "
+                "inherit")
+
+    def prepare_process(self) -> None:
+        # torch has no CPU accelerator, yet vLLM calls torch.accelerator.synchronize /
+        # empty_cache unconditionally (shutdown, profiling clean-up): the device is the host.
+        def noop(*args, **kwargs):
+            return None
+
+        def empty_cache_noop(*args, **kwargs):  # distinct object: Dynamo keys on identity
+            return None
+
+        torch.accelerator.synchronize = noop
+        torch.accelerator.empty_cache = empty_cache_noop
+        if hasattr(torch.accelerator, "empty_host_cache"):
+            torch.accelerator.empty_host_cache = noop
 
 
 def _npu_available() -> tuple[bool, str]:
@@ -25,7 +129,6 @@ def _npu_available() -> tuple[bool, str]:
     os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
     try:
         import torch_npu  # noqa: F401
-        import torch
 
         if not torch.npu.is_available() or torch.npu.device_count() == 0:
             return False, "torch_npu is installed but reports no Ascend chip"
@@ -34,7 +137,19 @@ def _npu_available() -> tuple[bool, str]:
     return True, "torch_npu found an Ascend chip"
 
 
-def select_backend(requested: str | None = None) -> DeviceBackend:
+def _npu(reason: str) -> Backend:
+    import torch_npu as real
+
+    return NpuBackend(real, reason)
+
+
+def _sim(reason: str) -> Backend:
+    from vllm_ascend.device import sim
+
+    return SimBackend(sim, reason)
+
+
+def select_backend(requested: str | None = None) -> Backend:
     """Pick the device backend. ``requested`` defaults to $VLLM_ASCEND_DEVICE."""
     if requested is None:
         requested = os.environ.get(ENV_VAR, "").strip().lower() or None
@@ -44,9 +159,7 @@ def select_backend(requested: str | None = None) -> DeviceBackend:
             "(or leave it unset to detect)."
         )
     if requested == "sim":
-        from vllm_ascend.device.sim import SimBackend
-
-        return SimBackend(reason=f"{ENV_VAR}=sim")
+        return _sim(f"{ENV_VAR}=sim")
     ok, reason = _npu_available()
     if requested == "npu":
         if not ok:
@@ -55,17 +168,9 @@ def select_backend(requested: str | None = None) -> DeviceBackend:
                 "`pip install vllm-ascend[npu]` on a machine with CANN and an Ascend chip, "
                 f"or set {ENV_VAR}=sim to run on the CPU simulator."
             )
-        from vllm_ascend.device.npu import NpuBackend
-
-        return NpuBackend(reason=f"{ENV_VAR}=npu")
-    if ok:
-        from vllm_ascend.device.npu import NpuBackend
-
-        return NpuBackend(reason=reason)
-    from vllm_ascend.device.sim import SimBackend
-
-    return SimBackend(reason=f"no NPU ({reason})")
+        return _npu(f"{ENV_VAR}=npu")
+    return _npu(reason) if ok else _sim(f"no NPU ({reason})")
 
 
-current: DeviceBackend = select_backend()
-
+current: Backend = select_backend()
+torch_npu = current.torch_npu

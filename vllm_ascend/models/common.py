@@ -11,15 +11,15 @@ def attach_step_rope(model: torch.nn.Module, vllm_config) -> None:
     for module in model.modules():
         rope = getattr(module, "rotary_emb", None)
         if rope is not None and hasattr(rope, "cos_sin_cache"):
-            STEP_ROPE.attach(rope, max_tokens)
+            STEP_ROPE.attach(rope, max_tokens, vllm_config.model_config.dtype)
 
 
 def fused_attention_forward(attn, positions: torch.Tensor, hidden_states: torch.Tensor,
                             q_norm=None, k_norm=None) -> torch.Tensor:
     """qkv_proj -> fused split(+q/k norm)+RoPE -> attention -> o_proj."""
     qkv, _ = attn.qkv_proj(hidden_states)
-    q, k, v = split_qkv_norm_rope(qkv, attn.q_size, attn.kv_size, attn.head_dim, positions,
-                                  attn.rotary_emb, q_norm, k_norm)
+    q, k, v = split_qkv_norm_rope(qkv, attn.q_size, attn.kv_size, attn.head_dim, q_norm,
+                                  k_norm)
     output, _ = attn.o_proj(attn.attn(q, k, v))
     return output
 

@@ -1,11 +1,11 @@
 from vllm.model_executor.layers.activation import SiluAndMul
 
-from vllm_ascend import device
+from vllm_ascend.device import torch_npu
 
 
 @SiluAndMul.register_oot(name="SiluAndMul")
 class AscendSiluAndMul(SiluAndMul):
-    """SwiGLU: silu(gate) * up in one kernel (npu_swiglu on the chip)."""
+    """SwiGLU: silu(gate) * up in one kernel, as upstream's activation.py."""
 
     def forward_oot(self, x):
-        return device.current.swiglu(x)
+        return torch_npu.npu_swiglu(x)

@@ -7,29 +7,36 @@ gathering per layer, and FULL graphs read them at their captured address.
 
 import torch
 
-from vllm_ascend import device
-from vllm_ascend.device.base import full_width_cos_sin
+from vllm_ascend.device import torch_npu
+
+
+def full_width_cos_sin(cos: torch.Tensor, sin: torch.Tensor, is_neox: bool):
+    """Half-width cos/sin rows [T, rot/2] -> full width [T, rot] in the rope's layout (neox:
+    halves repeated; GPT-J: pairs interleaved), as npu_rotary_mul takes them."""
+    if is_neox:
+        return torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
+    return cos.repeat_interleave(2, -1), sin.repeat_interleave(2, -1)
 
 
 class StepRope:
-    """cos/sin rows of the step's positions, full rotary width, in the rope's own layout
-    (neox: halves repeated; GPT-J: pairs interleaved), so a rotation is x*cos + rot(x)*sin."""
+    """cos/sin rows of the step's positions, full rotary width, in the rope's own layout, as
+    [1, tokens, 1, rot] buffers of the model's dtype (npu_rotary_mul's 1S1D broadcast)."""
 
     def __init__(self):
         self.cache: torch.Tensor | None = None  # [max_position, rot_dim]: cos | sin halves
         self.is_neox = True
-        self.cos: torch.Tensor | None = None  # [max_num_tokens, rot_dim]
+        self.cos: torch.Tensor | None = None  # [1, max_num_tokens, 1, rot_dim]
         self.sin: torch.Tensor | None = None
 
-    def attach(self, rope, max_num_tokens: int) -> None:
+    def attach(self, rope, max_num_tokens: int, dtype: torch.dtype) -> None:
         """Use ``rope``'s table; allocate the step buffers (once per model)."""
         cache = rope.cos_sin_cache
         if self.cache is not None and self.cache is not cache and not (
                 torch.equal(self.cache, cache) and self.is_neox == rope.is_neox_style):
             raise ValueError("vllm-ascend's fused RoPE expects one rotary table per model; "
                              "this model has layers with different RoPE parameters")
-        if self.cache is None or self.cos.shape[0] < max_num_tokens:
-            self.cos = torch.zeros(max_num_tokens, cache.shape[-1], dtype=cache.dtype,
+        if self.cache is None or self.cos.shape[1] < max_num_tokens:
+            self.cos = torch.zeros(1, max_num_tokens, 1, cache.shape[-1], dtype=dtype,
                                    device=cache.device)
             self.sin = torch.zeros_like(self.cos)
         self.cache, self.is_neox = cache, rope.is_neox_style
@@ -40,11 +47,11 @@ class StepRope:
         n = positions.shape[0]
         cos, sin = full_width_cos_sin(
             *self.cache.index_select(0, positions.flatten()).chunk(2, dim=-1), self.is_neox)
-        self.cos[:n].copy_(cos)
-        self.sin[:n].copy_(sin)
+        self.cos[0, :n, 0].copy_(cos)
+        self.sin[0, :n, 0].copy_(sin)
 
-    def get(self, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cos[:n].to(dtype), self.sin[:n].to(dtype)
+    def get(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos[:, :n], self.sin[:, :n]
 
     def reset(self) -> None:
         self.cache = self.cos = self.sin = None
@@ -53,14 +60,35 @@ class StepRope:
 STEP_ROPE = StepRope()
 
 
-def split_qkv_norm_rope(qkv, q_size, kv_size, head_size, positions, rope, q_norm=None,
-                        k_norm=None):
-    """(q, k, v) from a fused QKV projection: split, optional per-head q/k RMSNorm, RoPE."""
-    cos, sin = STEP_ROPE.get(qkv.shape[0], qkv.dtype)
-    return device.current.split_qkv_norm_rope(
-        qkv, q_size, kv_size, head_size, q_norm.weight if q_norm is not None else None,
-        k_norm.weight if k_norm is not None else None,
-        q_norm.variance_epsilon if q_norm is not None else 0.0, cos, sin, STEP_ROPE.is_neox)
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mode: str) -> torch.Tensor:
+    """x [1, T, heads, head_size] rotated on its first rot dims by npu_rotary_mul."""
+    rot = cos.shape[-1]
+    if rot == x.shape[-1]:
+        return torch_npu.npu_rotary_mul(x.contiguous(), cos, sin, rotary_mode=mode)
+    turned = torch_npu.npu_rotary_mul(x[..., :rot].contiguous(), cos, sin, rotary_mode=mode)
+    return torch.cat((turned, x[..., rot:]), dim=-1)
+
+
+def split_qkv_norm_rope(qkv, q_size, kv_size, head_size, q_norm=None, k_norm=None):
+    """(q, k, v) from a fused QKV projection: split, optional per-head q/k RMSNorm
+    (npu_rms_norm), RoPE (npu_rotary_mul) with the step's cos/sin. q and k come out
+    contiguous, [T, q_size] and [T, kv_size]."""
+    t = qkv.shape[0]
+    cos, sin = STEP_ROPE.get(t)
+    mode = "half" if STEP_ROPE.is_neox else "interleave"
+    nq = q_size // head_size
+    if q_norm is None:
+        # q and k are adjacent in qkv: rotate both in one call.
+        qk = _rope(qkv[:, : q_size + kv_size].view(1, t, -1, head_size), cos, sin, mode)[0]
+        q, k = qk[:, :nq].contiguous(), qk[:, nq:].contiguous()
+    else:
+        q = torch_npu.npu_rms_norm(qkv[:, :q_size].view(t, -1, head_size), q_norm.weight,
+                                   q_norm.variance_epsilon)[0]
+        k = torch_npu.npu_rms_norm(qkv[:, q_size: q_size + kv_size].view(t, -1, head_size),
+                                   k_norm.weight, k_norm.variance_epsilon)[0]
+        q = _rope(q.unsqueeze(0), cos, sin, mode)[0]
+        k = _rope(k.unsqueeze(0), cos, sin, mode)[0]
+    return q.reshape(t, q_size), k.reshape(t, kv_size), qkv[:, q_size + kv_size:]
 
 
 def split_qkv_norm_rope_reference(qkv, q_size, kv_size, head_size, positions, rope, q_norm=None,

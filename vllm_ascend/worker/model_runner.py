@@ -1,34 +1,45 @@
 """NPUModelRunner: vLLM's V1 GPUModelRunner on an Ascend device (npu or sim)."""
 
+import contextlib
 import time
 
 import torch
-from vllm.compilation.monitor import set_cudagraph_capturing_enabled
 from vllm.compilation.cuda_graph import CUDAGraphWrapper
+from vllm.compilation.monitor import set_cudagraph_capturing_enabled
 from vllm.config import CUDAGraphMode
 from vllm.forward_context import get_forward_context
-from vllm.v1.worker.workspace import lock_workspace
-from vllm_ascend.logger import get_logger
+from vllm.v1.kv_cache_interface import AttentionSpec
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+from vllm.v1.worker.utils import bind_kv_cache
+from vllm.v1.worker.workspace import lock_workspace
 
 from vllm_ascend import device
 from vllm_ascend.attention.graph_params import GRAPH_PARAMS
-from vllm_ascend.ops.qkv import STEP_ROPE
 from vllm_ascend.compilation.acl_graph import STATS, ACLGraphWrapper, GraphHooks
+from vllm_ascend.device import torch_npu
+from vllm_ascend.logger import get_logger
+from vllm_ascend.ops.qkv import STEP_ROPE
 
 logger = get_logger(__name__)
 
 
-class FIAGraphHooks(GraphHooks):
-    """FULL graphs: keep each layer's FIA handle at capture; re-issue the step's host lists
-    (cumulative query lengths, KV lengths) through task updates before every replay."""
+@contextlib.contextmanager
+def torch_cuda_as_npu():
+    """vLLM's runner creates torch.cuda streams and events (in __init__, and later for async
+    outputs): point torch.cuda at torch.npu, as upstream vllm-ascend does. The swap stays after
+    the block, because the runner keeps creating events after its construction."""
+    npu = torch_npu.npu
+    torch.Event = npu.Event
+    for name in ("Event", "Stream", "default_stream", "current_stream", "stream",
+                 "synchronize", "mem_get_info", "is_current_stream_capturing"):
+        setattr(torch.cuda, name, getattr(npu, name))
+    yield
 
-    def __init__(self, runner: "NPUModelRunner"):
-        self.skip_update = bool((runner.vllm_config.additional_config or {}).get(
-            "debug_skip_fia_update", False))
-        if self.skip_update:
-            logger.warning("vllm-ascend: debug_skip_fia_update is set: FULL graphs replay the "
-                           "capture's attention lengths and will produce wrong tokens")
+
+class FIAGraphHooks(GraphHooks):
+    """FULL graphs: keep each layer's FIA task group at capture; right after each replay is
+    launched, re-issue the step's host lists (cumulative query lengths, KV lengths) through
+    task updates, whose events the replay's attention nodes wait for."""
 
     def capture_begin(self, desc) -> None:
         GRAPH_PARAMS.begin_capture(desc)
@@ -36,9 +47,7 @@ class FIAGraphHooks(GraphHooks):
     def capture_end(self) -> None:
         GRAPH_PARAMS.end_capture()
 
-    def before_replay(self, desc) -> None:
-        if self.skip_update:
-            return
+    def after_replay(self, desc) -> None:
         metadata = get_forward_context().attn_metadata
         if isinstance(metadata, list):  # micro-batches are not used on Ascend
             raise NotImplementedError("micro-batched FULL graphs are not supported")
@@ -47,21 +56,65 @@ class FIAGraphHooks(GraphHooks):
 
 class NPUModelRunner(GPUModelRunner):
     def __init__(self, vllm_config, device_: torch.device):
-        with device.current.runner_init_context():
+        with torch_cuda_as_npu():
             super().__init__(vllm_config, device_)
 
     def load_model(self, load_dummy_weights: bool = False) -> None:
         super().load_model(load_dummy_weights=load_dummy_weights)
         # Upstream hard-codes its CUDA graph wrapper for FULL modes: swap in the ACL one, whose
-        # hooks record each layer's FIA task group at capture and update it before each replay.
+        # hooks record each layer's FIA task group at capture and update it after each replay.
         if isinstance(self.model, CUDAGraphWrapper):
             self.model = ACLGraphWrapper(self.model.runnable, self.vllm_config,
-                                         CUDAGraphMode.FULL, hooks=FIAGraphHooks(self))
+                                         CUDAGraphMode.FULL, hooks=FIAGraphHooks())
 
     def get_model(self):
         # Upstream unwraps only its own wrapper types.
         model = super().get_model()
         return model.unwrap() if isinstance(model, ACLGraphWrapper) else model
+
+    def initialize_kv_cache(self, kv_cache_config, **kwargs) -> None:
+        super().initialize_kv_cache(kv_cache_config, **kwargs)
+        # FIA's KV write (npu_scatter_pa_kv_cache) takes int32 slots; vLLM's block tables
+        # compute int64 ones. The slot-mapping kernel (worker/kernels.py) writes either.
+        for table in self.input_batch.block_table.block_tables:
+            if table.slot_mapping.gpu.dtype != torch.int32:
+                table.slot_mapping = table._make_buffer(table.slot_mapping.gpu.shape[0],
+                                                        dtype=torch.int32)
+
+    def initialize_kv_cache_tensors(self, kv_cache_config, kernel_block_sizes,
+                                    kv_cache_allocation_context=None) -> dict[str, torch.Tensor]:
+        """Upstream views each layer's pages as interleaved K|V per head; FIA reads K and V as
+        separate contiguous caches. Each layer gets one [2, num_blocks, block_size, kv_heads,
+        head_size] view of its region of the one backing allocation: K and V are its halves."""
+        if not kv_cache_config.kv_cache_tensors:
+            return {}
+        sizes = {t.size for t in kv_cache_config.kv_cache_tensors}
+        assert len(sizes) == 1, "KV cache tensors must share one backing allocation."
+        context = kv_cache_allocation_context or contextlib.nullcontext()
+        with context:
+            raw = torch.zeros(sizes.pop(), dtype=torch.int8, device=self.device)
+        specs = {name: group.kv_cache_spec for group in kv_cache_config.kv_cache_groups
+                 for name in group.layer_names}
+        kv_caches = {}
+        for tensor in kv_cache_config.kv_cache_tensors:
+            num_blocks = kv_cache_config.num_blocks_of(tensor)
+            for i, name in enumerate(tensor.layers):
+                spec = specs[name]
+                if not isinstance(spec, AttentionSpec):
+                    raise NotImplementedError(f"KV cache of {type(spec).__name__} layers is not "
+                                              "supported by vllm-ascend")
+                shape = (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
+                nbytes = spec.dtype.itemsize * shape[1] * shape[2] * shape[3] * shape[4] * 2
+                if tensor.layer_stride < nbytes:
+                    raise ValueError(f"the KV cache layout does not give layer {name} a region "
+                                     f"of its own ({tensor.layer_stride} < {nbytes} bytes)")
+                start = tensor.offset + i * tensor.layer_stride
+                kv_caches[name] = raw[start:start + nbytes].view(spec.dtype).view(shape)
+        for name, target in self.shared_kv_cache_layers.items():
+            kv_caches[name] = kv_caches[target]
+        bind_kv_cache(kv_caches, self.compilation_config.static_forward_context, self.kv_caches,
+                      kv_cache_groups=kv_cache_config.kv_cache_groups)
+        return kv_caches
 
     def capture_model(self) -> int:
         """Capture every (mode, batch descriptor) the dispatcher asks for, largest first.
@@ -74,7 +127,6 @@ class NPUModelRunner(GPUModelRunner):
             return 0
         backend = device.current
         start, mem_before = time.perf_counter(), backend.memory_in_use()
-        streams_before = backend.streams_in_use()
         set_cudagraph_capturing_enabled(True)
         sizes: dict[str, list[int]] = {}
         with self._freeze_gc():
@@ -87,11 +139,12 @@ class NPUModelRunner(GPUModelRunner):
         elapsed = time.perf_counter() - start
         used = max(backend.memory_in_use() - mem_before, 0)
         graphs = sum(STATS.captured.values())
+        streams = backend.streams_in_use()
         logger.info(
             "vllm-ascend: graph mode %s: captured %d graphs (%s) in %.1f s, %.2f GiB; streams "
-            "used %d of %d", mode.name, graphs,
+            "used %s of %d", mode.name, graphs,
             "; ".join(f"{m} sizes {sorted(set(v))}" for m, v in sizes.items()), elapsed,
-            used / (1 << 30), backend.streams_in_use() - streams_before + max(streams_before, 0),
+            used / (1 << 30), streams if streams is not None else f"{graphs} (one per graph)",
             backend.stream_budget())
         return used
 
@@ -105,4 +158,4 @@ class NPUModelRunner(GPUModelRunner):
 
     def _sync_device(self) -> None:
         # Upstream calls torch.accelerator.synchronize(), which has no CPU accelerator.
-        device.current.synchronize()
+        torch_npu.npu.synchronize()

@@ -3,7 +3,6 @@
 import contextlib
 import os
 
-import psutil
 import torch
 from vllm_ascend.logger import get_logger
 from vllm.platforms import current_platform
@@ -56,33 +55,31 @@ class NPUWorker(Worker):
 
     @torch.inference_mode()
     def determine_available_memory(self) -> int:
-        if device.current.name != "sim":
-            return super().determine_available_memory()
-        # The simulator's device memory is an account, like a chip's HBM: budget =
-        # total * gpu_memory_utilization, minus weights and the activation peak of a full batch.
-        total = device.current.total_memory()
+        # Upstream reads CUDA memory snapshots taken in its init_device. Here the device memory
+        # is an account, like a chip's HBM: budget = total * gpu_memory_utilization, minus the
+        # weights and the activation peak of a full batch (the profile run).
+        backend = device.current
+        total = backend.total_memory()
         weights = _model_bytes(self.model_runner.get_model())
-        rss_before = psutil.Process().memory_info().rss
-        self.model_runner.profile_run()
-        activations = max(psutil.Process().memory_info().rss - rss_before, 0)
-        self._sim_memory = (total, weights, activations)
+        activations = backend.peak_memory_of(self.model_runner.profile_run)
+        self._memory_account = (total, weights, activations)
         if self.cache_config.kv_cache_memory_bytes:
             return self.cache_config.kv_cache_memory_bytes
         budget = int(total * self.cache_config.gpu_memory_utilization)
         available = budget - weights - activations
         if available <= 0:
+            hint = ", set VLLM_ASCEND_SIM_MEMORY_GB higher" if backend.name == "sim" else ""
             raise ValueError(
-                f"No memory left for the KV cache on the {device.current.name} device: "
+                f"No memory left for the KV cache on the {backend.name} device: "
                 f"{budget / GiB:.2f} GiB budget ({total / GiB:.2f} GiB x "
                 f"gpu_memory_utilization {self.cache_config.gpu_memory_utilization}) minus "
                 f"weights {weights / GiB:.2f} GiB and activations {activations / GiB:.2f} GiB. "
-                "Raise gpu_memory_utilization, set VLLM_ASCEND_SIM_MEMORY_GB higher, or lower "
-                "max_num_batched_tokens.")
+                f"Raise gpu_memory_utilization{hint}, or lower max_num_batched_tokens.")
         return available
 
     def initialize_from_config(self, kv_cache_config) -> None:
         super().initialize_from_config(kv_cache_config)
-        total, weights, activations = getattr(self, "_sim_memory", (
+        total, weights, activations = getattr(self, "_memory_account", (
             device.current.total_memory(), _model_bytes(self.model_runner.get_model()), 0))
         logger.info(
             "vllm-ascend: device %s (%s), memory %.2f GiB: weights %.2f GiB, activations "

@@ -1,0 +1,112 @@
+"""``sim``: torch_npu on the CPU. The functions vllm-ascend calls, by torch_npu's own names,
+keywords and overloads, with the chip's contracts (see ops.py) and graph semantics (npu.py,
+graph.py). Only what the product uses is here; anything else is an AttributeError, and a keyword
+torch_npu has but the simulator does not model is refused rather than ignored.
+"""
+
+import torch
+
+from vllm_ascend.device.sim import npu  # noqa: F401  (torch_npu.npu, i.e. torch.npu)
+from vllm_ascend.device.sim import ops as _ops
+
+_FIA = torch.ops.ascend_sim.npu_fused_infer_attention_score
+_FIA_KEYWORDS = {a.name: a.default_value for a in _FIA.default._schema.arguments if a.kwarg_only}
+# Keywords of torch_npu's FIA that vllm-ascend's decoder path leaves at their defaults.
+_FIA_NOT_SIMULATED = {
+    "pse_shift", "dequant_scale1", "quant_scale1", "dequant_scale2", "quant_scale2",
+    "quant_offset2", "antiquant_scale", "antiquant_offset", "key_antiquant_scale",
+    "key_antiquant_offset", "value_antiquant_scale", "value_antiquant_offset",
+    "query_padding_size", "kv_padding_size", "key_shared_prefix", "value_shared_prefix",
+    "actual_shared_prefix_len", "query_rope", "key_rope", "key_rope_antiquant_scale",
+}
+_FIA_ZERO_NOT_SIMULATED = {"antiquant_mode", "key_antiquant_mode", "value_antiquant_mode"}
+
+
+def _fia_kwargs(op: str, kwargs: dict) -> dict:
+    kw = {}
+    for name, value in kwargs.items():
+        if name in _FIA_NOT_SIMULATED or name in _FIA_ZERO_NOT_SIMULATED:
+            if value is not None and not (isinstance(value, int) and value == 0):
+                raise NotImplementedError(f"{op}: {name} is not simulated")
+            continue
+        if name not in _FIA_KEYWORDS:
+            raise TypeError(f"{op}() got an unexpected keyword argument '{name}'")
+        if name in ("actual_seq_lengths", "actual_seq_lengths_kv") and value is not None and (
+                not isinstance(value, (list, tuple))
+                or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)):
+            # FIA v1 takes SymInt[]: host lists. A device tensor is an error on the chip.
+            raise TypeError(f"{op}(): argument '{name}' must be tuple of ints, not "
+                            f"{type(value).__name__}")
+        kw[name] = list(value) if isinstance(value, tuple) else value
+    return kw
+
+
+class _FusedInferAttentionScore:
+    """torch_npu.npu_fused_infer_attention_score: the functional call, and ``.out`` with a
+    preallocated ``out=[attention_out, softmax_lse]`` and ``workspace=`` (the graph path). Issued
+    between graph_task_update_begin/end, ``.out`` re-parameterises the captured task."""
+
+    def __call__(self, query, key, value, **kwargs):
+        kw = _fia_kwargs("npu_fused_infer_attention_score", kwargs)
+        if npu.open_task_update() is not None:
+            raise RuntimeError("a task update re-issues the captured op: call "
+                               "npu_fused_infer_attention_score.out, as at capture")
+        return _FIA.default(query, key, value, **kw)
+
+    def out(self, query, key, value, *, out, workspace=None, **kwargs):
+        kw = _fia_kwargs("npu_fused_infer_attention_score.out", kwargs)
+        attention_out, softmax_lse = out
+        kw.update(workspace=workspace, attention_out=attention_out, softmax_lse=softmax_lse)
+        if npu.open_task_update() is not None:
+            npu.issue_task_update(_FIA.out, (query, key, value), kw)
+            return attention_out, softmax_lse
+        return _FIA.out(query, key, value, **kw)
+
+
+npu_fused_infer_attention_score = _FusedInferAttentionScore()
+
+
+def _npu_fused_infer_attention_score_get_max_workspace(query, key, value, **kwargs):
+    """A workspace for ``.out`` that serves any sequence lengths: a 1-D tensor of the query's
+    dtype. The host-side checks run as in the op."""
+    kw = _fia_kwargs("_npu_fused_infer_attention_score_get_max_workspace", kwargs)
+    _ops.check_fia(query, key, value, kw.get("atten_mask"), kw.get("actual_seq_lengths"),
+                   kw.get("actual_seq_lengths_kv"), kw.get("block_table"),
+                   kw.get("num_heads", 1), kw.get("num_key_value_heads", 0),
+                   kw.get("input_layout", "BSH"), kw.get("sparse_mode", 0),
+                   kw.get("block_size", 0), kw.get("pre_tokens", _ops.INT32_MAX),
+                   kw.get("next_tokens", _ops.INT32_MAX))
+    size = _ops.fia_workspace_elements(query, kw.get("block_table"), kw.get("num_heads", 1))
+    return torch.empty(size, dtype=query.dtype, device=query.device)
+
+
+def npu_scatter_pa_kv_cache(key, value, key_cache, value_cache, slot_mapping, *,
+                            compress_lens=None, compress_seq_offsets=None, seq_lens=None,
+                            cache_mode="PA_NZ"):
+    if compress_lens is not None or compress_seq_offsets is not None or seq_lens is not None:
+        raise NotImplementedError("npu_scatter_pa_kv_cache: compression is not simulated")
+    torch.ops.ascend_sim.npu_scatter_pa_kv_cache(key, value, key_cache, value_cache,
+                                                 slot_mapping, cache_mode=cache_mode)
+
+
+npu_rms_norm = torch.ops.ascend_sim.npu_rms_norm
+npu_add_rms_norm = torch.ops.ascend_sim.npu_add_rms_norm
+npu_swiglu = torch.ops.ascend_sim.npu_swiglu
+npu_mrope = torch.ops.ascend_sim.npu_mrope
+
+
+def npu_rotary_mul(input, r1, r2, rotary_mode="half", rotate=None):
+    if rotate is not None:
+        raise NotImplementedError("npu_rotary_mul: rotate is not simulated")
+    return torch.ops.ascend_sim.npu_rotary_mul(input, r1, r2, rotary_mode)
+
+
+class _C:
+    """torch_npu._C, as far as vllm-ascend reaches into it."""
+
+    @staticmethod
+    def _weak_ref_tensor(tensor):
+        # torch_npu returns a non-owning alias. A CPU tensor has none in torch's Python API, so
+        # the simulator returns the tensor itself: a captured graph keeps it alive anyway.
+        return tensor
+

@@ -1,0 +1,498 @@
+"""The simulator's ACL graphs: capture records device ops, replay runs only the record.
+
+Between ``capture_begin`` and ``capture_end`` the ops run once, eagerly, under a dispatcher-level
+recorder. Each device op is kept with its tensor arguments by identity and every other argument
+(ints, lists, floats) by value. Ops implemented in Python (vLLM's attention and KV-update custom
+ops, which read the forward context) are not recorded whole: their CPU kernel runs under the
+recorder, so the device ops they issue are what is recorded. At ``capture_end`` the record is
+frozen as a graph pool would leave it:
+
+* tensors made outside the graph (inputs, weights, the KV cache) are read at their addresses;
+* tensors still referenced from Python when the capture ends (the callable's output, whatever
+  the caller kept) keep their storage: replay overwrites them in place;
+* every other intermediate moves into the pool's scratch arena, reusing bytes by liveness; all
+  graphs of a pool share the arena (they never run at once), so capturing the largest size first
+  keeps the memory of all sizes near that of the largest;
+* replay is a flat list of prepared kernel calls (``.out`` overloads where the op has one), with
+  no Python of the model in it, cut where a node waits on an ExternalEvent.
+
+A host synchronisation during capture (``.item()``, ``.tolist()``) raises, as on the chip. Each
+live graph holds one stream of the device's budget; exhausting it raises error 207008.
+"""
+
+import contextlib
+import threading
+import weakref
+
+import torch
+from torch._C import DispatchKey
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+STREAM_EXHAUSTED_CODE = 207008
+_RECORDED_NAMESPACES = {"aten", "prims", "ascend_sim"}
+# Allocations whose contents are undefined: nothing to redo on replay.
+_NO_REPLAY = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
+              torch.ops.aten.empty_like.default, torch.ops.aten.new_empty.default}
+_ALIGN = 64
+# Ops that read a device value on the host: a capture cannot contain them.
+_HOST_SYNCS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default,
+               torch.ops.aten.is_nonzero.default, torch.ops.aten.equal.default}
+# Ops whose result is a copy of their first argument.
+_COPIES = {torch.ops.aten.contiguous.default, torch.ops.aten.clone.default}
+
+
+class GraphCaptureError(RuntimeError):
+    pass
+
+
+class GraphReplayError(RuntimeError):
+    pass
+
+
+class StreamResourceError(RuntimeError):
+    """The chip ran out of streams (ACL error 207008)."""
+
+
+class StreamPool:
+    """The device's stream budget; every live captured graph holds one stream."""
+
+    def __init__(self, budget_fn):
+        self._budget_fn = budget_fn
+        self.in_use = 0
+        self._lock = threading.Lock()
+
+    @property
+    def budget(self) -> int:
+        return self._budget_fn()
+
+    def acquire(self) -> None:
+        with self._lock:
+            if self.in_use >= self.budget:
+                raise StreamResourceError(
+                    f"ACL error {STREAM_EXHAUSTED_CODE}: the stream resources are insufficient "
+                    f"({self.in_use} of {self.budget} streams are held by captured graphs)")
+            self.in_use += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self.in_use -= 1
+
+
+class GraphPool:
+    """Memory shared by graphs: one scratch arena for their intermediates."""
+
+    def __init__(self):
+        self.arena = torch.empty(0, dtype=torch.uint8)
+
+    def arena_for(self, nbytes: int) -> torch.Tensor:
+        if nbytes > self.arena.numel():
+            # Older graphs keep their views of the previous arena alive; capture large sizes
+            # first so that this happens once.
+            self.arena = torch.zeros(nbytes, dtype=torch.uint8)
+        return self.arena
+
+
+class _Node:
+    __slots__ = ("func", "args", "kwargs", "outs", "group")
+
+    def __init__(self, func, args, kwargs, outs, group):
+        self.func, self.args, self.kwargs, self.outs, self.group = func, args, kwargs, outs, group
+
+
+class _Wait:
+    """A captured ``ExternalEvent.wait``: replay stops here until the event is recorded."""
+
+    def __init__(self, event):
+        self.event = event
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.nodes: list = []  # _Node, _Wait, or (callable, args) for host-side graph nodes
+        self.group = None  # the open task group's id, if any
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _HOST_SYNCS:
+            raise GraphCaptureError(
+                "a host synchronisation (.item() / bool(tensor)) happened during graph capture; "
+                "on the chip this fails the capture. Move the host read out of the captured "
+                "region (compute it before the forward) or run this model eagerly.")
+        if func.namespace not in _RECORDED_NAMESPACES:
+            # Implemented in Python: record the device ops it issues, not the call itself.
+            with self:
+                return func._op_dk(DispatchKey.CPU, *args, **kwargs)
+        out = func(*args, **kwargs)
+        self.nodes.append(_Node(func, args, kwargs, out, self.group))
+        return out
+
+
+def _tolist_during_capture(self, *args, **kwargs):
+    raise GraphCaptureError(
+        "a host synchronisation (.tolist()) happened during graph capture; on the chip this fails "
+        "the capture. Read host values before the captured region.")
+
+
+_OUT_OVERLOADS: dict = {}
+
+
+def _out_overload(func):
+    """The ``.out`` overload taking the same arguments as ``func`` plus out tensors, if any."""
+    if func in _OUT_OVERLOADS:
+        return _OUT_OVERLOADS[func]
+    found = None
+    schema = func._schema
+    want = [(a.name, str(a.type)) for a in schema.arguments]
+    packet = func.overloadpacket
+    for name in packet.overloads():
+        cand = getattr(packet, name)
+        outs = [a.name for a in cand._schema.arguments if a.is_out]
+        if not outs or len(outs) != len(schema.returns):
+            continue
+        if [(a.name, str(a.type)) for a in cand._schema.arguments if not a.is_out] == want:
+            found = (cand, outs)
+            break
+    _OUT_OVERLOADS[func] = found
+    return found
+
+
+def _binding_with_out(func, args, kwargs, targets):
+    """torch's own Python binding with out= (the cheapest call), if it computes the same thing."""
+    if len(targets) != 1 or func.namespace != "aten":
+        return None
+    fn = getattr(torch._C._VariableFunctions, func.overloadpacket.__name__, None)
+    if fn is None:
+        return None
+    try:
+        expected = func(*args, **kwargs)
+        fn(*args, **kwargs, out=targets[0])
+    except Exception:
+        return None
+    if not isinstance(expected, torch.Tensor) or not torch.equal(expected, targets[0]):
+        return None
+    return fn
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    storage = t.untyped_storage()
+    # Empty storages may all sit at address 0: each is its own, aliasing nothing.
+    return storage.data_ptr() if storage.nbytes() else -id(t)
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    return [x for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]
+
+
+class _Slot:
+    """Stands for an internal tensor of the record while its liveness is decided."""
+
+    __slots__ = ("k",)
+
+    def __init__(self, k):
+        self.k = k
+
+
+class _Meta:
+    __slots__ = ("storage", "key", "offset", "size", "stride", "dtype")
+
+    def __init__(self, t: torch.Tensor):
+        self.storage = t.untyped_storage()
+        self.key = _storage_key(t)
+        self.offset, self.size, self.stride, self.dtype = (t.storage_offset(), t.size(),
+                                                           t.stride(), t.dtype)
+
+    def view_of(self, storage, byte_offset: int = 0) -> torch.Tensor:
+        t = torch.empty(0, dtype=self.dtype)
+        return t.set_(storage, byte_offset // t.element_size() + self.offset, self.size,
+                      self.stride)
+
+
+def _storage_nbytes(storage) -> int:
+    return max(_ALIGN, -(-storage.nbytes() // _ALIGN) * _ALIGN)
+
+
+class SimGraph:
+    """A captured graph: its prepared calls, cut into segments at ExternalEvent waits."""
+
+    def __init__(self, streams: StreamPool):
+        self._streams = streams
+        self._holds_stream = False
+        self._recorder: _Recorder | None = None
+        self._next_group = 0
+        self._inference = False
+        self.segments: list = []  # [(calls, wait event or None)]
+        self._group_calls: dict[int, list] = {}  # task group -> [(segment, index)]
+        self.scratch_bytes = 0
+        self._resume_at: int | None = None  # segment index a blocked replay resumes from
+
+    # -- capture ------------------------------------------------------------------------------
+    def begin(self) -> None:
+        if self.segments:
+            raise GraphCaptureError("this graph was already captured; reset() it first")
+        self._streams.acquire()
+        self._holds_stream = True
+        self._inference = torch.is_inference_mode_enabled()
+        self._recorder = _Recorder()
+        self._saved_tolist = torch.Tensor.tolist
+        torch.Tensor.tolist = _tolist_during_capture
+        self._recorder.__enter__()
+
+    def end(self, pool: GraphPool, failed: bool = False) -> None:
+        recorder, self._recorder = self._recorder, None
+        recorder.__exit__(None, None, None)
+        torch.Tensor.tolist = self._saved_tolist
+        if recorder.group is not None and not failed:
+            self.reset()
+            raise GraphCaptureError("capture ended inside a task group: call "
+                                    "graph_task_group_end first")
+        if failed:
+            self.reset()
+            return
+        nodes = recorder.nodes
+        del recorder
+        self._freeze(nodes, pool)
+
+    @property
+    def capturing(self) -> bool:
+        return self._recorder is not None
+
+    def record_wait(self, event) -> None:
+        self._recorder.nodes.append(_Wait(event))
+
+    def record_host_call(self, fn) -> None:
+        """A host-side graph node (an event reset): replay calls ``fn()`` at this point."""
+        self._recorder.nodes.append((fn, ()))
+
+    def task_group_begin(self) -> None:
+        if self._recorder.group is not None:
+            raise RuntimeError("graph_task_group_begin: task groups do not nest")
+        self._recorder.group = self._next_group
+        self._next_group += 1
+
+    def task_group_end(self) -> int:
+        group, self._recorder.group = self._recorder.group, None
+        if group is None:
+            raise RuntimeError("graph_task_group_end without graph_task_group_begin")
+        return group
+
+    # -- freezing the record ------------------------------------------------------------------
+    def _freeze(self, nodes: list, pool: GraphPool) -> None:
+        metas, first_def, last_use, refs = _to_slots(nodes)
+        frozen = nodes  # converted in place: the record no longer holds internal tensors
+        # Which internal tensors does Python still hold (the output, what the caller kept)?
+        alive = {k: t for k, t in ((k, r()) for k, r in enumerate(refs)) if t is not None}
+        kept = {metas[k].key for k in alive}
+        # Storages allocated in the graph and dead at its end share the arena by liveness.
+        moved = sorted((key for key in first_def if key not in kept), key=first_def.get)
+        sizes = {}
+        for m in metas:
+            if m.key in first_def and m.key not in kept:
+                sizes[m.key] = _storage_nbytes(m.storage)
+        frees: dict[int, list[int]] = {}
+        for key in moved:
+            frees.setdefault(last_use[key], []).append(key)
+        offset_of = {}
+        free: list[tuple[int, int]] = []
+        top = 0
+        by_def: dict[int, list[int]] = {}
+        for key in moved:
+            by_def.setdefault(first_def[key], []).append(key)
+        for i in range(len(frozen)):
+            for key in by_def.get(i, ()):
+                offset_of[key], top = _alloc(free, top, sizes[key])
+            for key in frees.get(i, ()):
+                _release(free, offset_of[key], sizes[key])
+        arena = pool.arena_for(top).untyped_storage()
+        self.scratch_bytes = top
+        tensors = {}
+        for k, m in enumerate(metas):
+            if k in alive:
+                tensors[k] = alive[k]
+            elif m.key in offset_of:
+                tensors[k] = m.view_of(arena, offset_of[m.key])
+            else:
+                tensors[k] = m.view_of(m.storage)
+        del alive, metas
+
+        def real(x):
+            return tensors[x.k] if isinstance(x, _Slot) else x
+
+        segments, calls = [], []
+        ctx = torch.inference_mode() if self._inference else contextlib.nullcontext()
+        with ctx:
+            for entry in frozen:
+                if isinstance(entry, _Wait):
+                    segments.append((calls, entry.event))
+                    calls = []
+                    continue
+                if isinstance(entry, tuple) and len(entry) == 2:
+                    calls.append((entry[0], (), {}, None))
+                    continue
+                kind, func, args, kwargs, outs, group = entry
+                if kind == "view" or (kind == "compute" and func in _NO_REPLAY):
+                    continue  # views are resolved once; undefined allocations need no work
+                args, kwargs = tree_map(real, args), tree_map(real, kwargs)
+                if kind == "mutate":
+                    calls.append((func, args, kwargs, group))
+                else:
+                    calls.append(self._compute_call(func, args, kwargs,
+                                                    [real(o) for o in outs], group))
+        segments.append((calls, None))
+        self.segments = segments
+        self._group_calls = {}
+        for s, (seg_calls, _) in enumerate(segments):
+            for i, call in enumerate(seg_calls):
+                if call[3] is not None:
+                    self._group_calls.setdefault(call[3], []).append((s, i))
+
+    @staticmethod
+    def _compute_call(func, args, kwargs, targets, group):
+        """A prepared call that recomputes ``func`` into ``targets`` (its captured outputs)."""
+        if func in _COPIES:
+            return (targets[0].copy_, (args[0],), {}, group)
+        fast = _binding_with_out(func, args, kwargs, targets)
+        if fast is not None:
+            return (fast, args, dict(kwargs, out=targets[0]), group)
+        out = _out_overload(func)
+        if out is not None:
+            overload, names = out
+            kw = dict(kwargs)
+            kw.update(zip(names, targets))
+            return (overload._op, args, kw, group)
+
+        def run_then_copy(*a, **kw):
+            for t, r in zip(targets, _tensors(func._op(*a, **kw))):
+                t.copy_(r)
+
+        run_then_copy.func = func
+        return (run_then_copy, args, kwargs, group)
+
+    # -- task updates -------------------------------------------------------------------------
+    def task_update(self, group: int, func, args: tuple, kwargs: dict) -> None:
+        """Replace the host arguments of the group's ``func`` node, from the next time it runs.
+        Tensor arguments must be the captured ones (same address and shape)."""
+        found = [(s, i) for s, i in self._group_calls.get(group, ())
+                 if self.segments[s][0][i][0] is func]
+        if len(found) != 1:
+            raise RuntimeError(f"graph_task_update: task group {group} holds {len(found)} "
+                               f"{func} tasks, not 1: the update must re-issue the captured op")
+        s, i = found[0]
+        fn, old_args, old_kwargs, _ = self.segments[s][0][i]
+        old = _flat_args(func, old_args, old_kwargs)
+        new = _flat_args(func, args, kwargs)
+        for name, value in new.items():
+            was = old.get(name)
+            if isinstance(was, torch.Tensor) != isinstance(value, torch.Tensor) or (
+                    isinstance(value, torch.Tensor) and (value.data_ptr() != was.data_ptr()
+                                                         or value.shape != was.shape)):
+                raise RuntimeError(
+                    f"graph_task_update: {name} is not the captured tensor (a task update may "
+                    "change host arguments only; tensors must keep their address and shape)")
+        self.segments[s][0][i] = (fn, tuple(args), dict(kwargs), group)
+
+    # -- replay -------------------------------------------------------------------------------
+    def run(self, start: int = 0) -> int | None:
+        """Run the segments from ``start``; returns the segment index it is blocked at (its
+        event not recorded), or None when the replay finished."""
+        ctx = torch.inference_mode() if self._inference else contextlib.nullcontext()
+        with ctx:
+            for s in range(start, len(self.segments)):
+                calls, wait = self.segments[s]
+                for fn, args, kwargs, _ in calls:
+                    fn(*args, **kwargs)
+                if wait is not None and not wait.consume_for(self, s + 1):
+                    return s + 1
+        return None
+
+    def reset(self) -> None:
+        self.segments = []
+        self._group_calls = {}
+        if self._holds_stream:
+            self._holds_stream = False
+            self._streams.release()
+
+    def __del__(self):
+        try:
+            self.reset()
+        except Exception:
+            pass
+
+    @property
+    def num_ops(self) -> int:
+        return sum(len(calls) for calls, _ in self.segments)
+
+
+def _to_slots(nodes: list):
+    """Replace, in place, each recorded op by (kind, func, args, kwargs, outs, group) in which
+    the tensors the record produced are _Slots. Returns their metadata, the node allocating
+    each storage, the last node using it, and weak references to the tensors."""
+    internal: dict[int, int] = {}  # id(tensor) -> slot
+    metas: list[_Meta] = []
+    holders: list[torch.Tensor] = []  # keeps ids unique until the weak references are taken
+    first_def: dict[int, int] = {}
+    last_use: dict[int, int] = {}
+
+    def slot(x):
+        if isinstance(x, torch.Tensor) and id(x) in internal:
+            return _Slot(internal[id(x)])
+        return x
+
+    for i, node in enumerate(nodes):
+        if not isinstance(node, _Node):
+            continue
+        ins = _tensors((node.args, node.kwargs))
+        in_keys = {_storage_key(t) for t in ins}
+        for t in ins:
+            if id(t) in internal:
+                last_use[metas[internal[id(t)]].key] = i
+        outs = _tensors(node.outs)
+        mutable = node.func._schema.is_mutable
+        aliased = [_storage_key(o) in in_keys for o in outs]
+        if not mutable and any(aliased) and not all(aliased):
+            raise GraphCaptureError(f"{node.func} returns a partial alias; not simulated")
+        kind = "mutate" if mutable else ("view" if outs and all(aliased) else "compute")
+        for o, alias in zip(outs, aliased):
+            if id(o) in internal or (mutable and alias):
+                continue  # an in-place op returns its (already known) input
+            internal[id(o)] = len(metas)
+            metas.append(_Meta(o))
+            holders.append(o)
+            key = metas[-1].key
+            if kind != "view" and not alias:
+                first_def.setdefault(key, i)
+            last_use[key] = i
+        nodes[i] = (kind, node.func, tree_map(slot, node.args), tree_map(slot, node.kwargs),
+                    [slot(o) for o in outs], node.group)
+    return metas, first_def, last_use, [weakref.ref(t) for t in holders]
+
+
+def _flat_args(func, args, kwargs) -> dict:
+    names = [a.name for a in func._schema.arguments]
+    flat = dict(zip(names, args))
+    flat.update(kwargs)
+    return flat
+
+
+def _alloc(free: list, top: int, size: int) -> tuple[int, int]:
+    for k, (off, sz) in enumerate(free):
+        if sz >= size:
+            if sz == size:
+                free.pop(k)
+            else:
+                free[k] = (off + size, sz - size)
+            return off, top
+    return top, top + size
+
+
+def _release(free: list, off: int, size: int) -> None:
+    free.append((off, size))
+    free.sort()
+    merged = []
+    for o, s in free:
+        if merged and merged[-1][0] + merged[-1][1] == o:
+            merged[-1] = (merged[-1][0], merged[-1][1] + s)
+        else:
+            merged.append((o, s))
+    free[:] = merged

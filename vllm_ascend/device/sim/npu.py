@@ -1,0 +1,470 @@
+"""The simulator's ``torch.npu`` (``torch_npu.npu``): streams, events, ACL graphs, task groups.
+
+The host is the device: work issued to any stream runs at once, in program order, so streams
+name where work was issued rather than reorder it. What the chip's contracts make observable is
+kept: a graph captures only on a capturing (non-default) stream; task groups open only there and
+task updates only on a non-capturing one; an ExternalEvent captured as a wait holds the replay at
+that node until an update records it (the replay resumes inside ``record``), and a replay left
+waiting on an event nobody records fails loudly as soon as anything depends on it, where the chip
+would hang.
+"""
+
+import contextlib
+import os
+import threading
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from vllm_ascend.device.sim import graph as _graph
+
+STREAMS_ENV = "VLLM_ASCEND_SIM_STREAMS"
+DEFAULT_STREAMS = 2048  # a 910-class chip's stream budget for the whole software stack
+MEMORY_ENV = "VLLM_ASCEND_SIM_MEMORY_GB"
+
+
+def stream_budget() -> int:
+    value = os.environ.get(STREAMS_ENV, str(DEFAULT_STREAMS))
+    if not value.isdigit() or int(value) <= 0:
+        raise ValueError(f"{STREAMS_ENV}={value!r} must be a positive integer")
+    return int(value)
+
+
+_STREAM_POOL = _graph.StreamPool(stream_budget)
+
+
+def streams_in_use() -> int:
+    """Streams held by live captured graphs (the simulator's own count)."""
+    return _STREAM_POOL.in_use
+
+
+# -- streams ---------------------------------------------------------------------------------------
+
+class Stream:
+    """A device stream. Streams come from a per-device pool, as torch's CUDA and NPU streams do,
+    so creating one does not take a hardware stream of the budget; a captured graph does."""
+
+    def __init__(self, device=None, priority=0, **kwargs):
+        self.device = torch.device("cpu")
+        self.priority = priority
+        self.capturing: "_graph.SimGraph | None" = None  # the graph capturing on this stream
+        self.update_handle = None  # the task group an update is open for
+        self.update_issued = False
+
+    def synchronize(self) -> None:
+        _check_no_waiting_replay("synchronize")
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None):
+        event = event or Event()
+        event.record(self)
+        return event
+
+    def query(self) -> bool:
+        return not _WAITING
+
+    def __repr__(self):
+        return f"<sim npu Stream {id(self):#x}>"
+
+
+class _Streams(threading.local):
+    def __init__(self):
+        self.default = Stream()
+        self.stack = [self.default]
+
+
+_STREAMS = _Streams()
+
+
+def current_stream(device=None) -> Stream:
+    return _STREAMS.stack[-1]
+
+
+def default_stream(device=None) -> Stream:
+    return _STREAMS.default
+
+
+@contextlib.contextmanager
+def stream(s: "Stream | None"):
+    if s is None:
+        yield
+        return
+    _STREAMS.stack.append(s)
+    try:
+        yield
+    finally:
+        _STREAMS.stack.pop()
+
+
+def set_stream(s: Stream) -> None:
+    _STREAMS.stack[-1] = s
+
+
+def synchronize(device=None) -> None:
+    _check_no_waiting_replay("synchronize")
+
+
+def is_current_stream_capturing() -> bool:
+    return current_stream().capturing is not None
+
+
+# -- events ----------------------------------------------------------------------------------------
+
+class Event:
+    """A host-ordered event: work before it has always completed."""
+
+    def __init__(self, enable_timing=False, blocking=False, interprocess=False, **kwargs):
+        pass
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        _check_no_waiting_replay("Event.synchronize")
+
+    def query(self) -> bool:
+        return not _WAITING
+
+
+class ExternalEvent:
+    """An event a graph can wait on (graph_external=True). ``wait`` may come before ``record``;
+    ``reset`` is needed before the event is recorded again."""
+
+    def __init__(self):
+        self._recorded = False
+        self._waiting: list = []  # replays held at this event: (graph, segment to resume at)
+
+    def wait(self, stream=None) -> None:
+        s = stream or current_stream()
+        if s.capturing is None:
+            if not self._recorded:
+                raise _deadlock("ExternalEvent.wait on a stream that is not capturing, with no "
+                                "record() before it")
+            return
+        s.capturing.record_wait(self)
+
+    def reset(self, stream=None) -> None:
+        s = stream or current_stream()
+        if s.capturing is not None:
+            s.capturing.record_host_call(self._clear)
+        else:
+            self._clear()
+
+    def record(self, stream=None) -> None:
+        s = stream or current_stream()
+        if s.capturing is not None:
+            raise RuntimeError("ExternalEvent.record inside a capture is not simulated "
+                               "(vllm-ascend records it on the update stream)")
+        if self._recorded:
+            raise RuntimeError(
+                "ExternalEvent recorded twice without a reset: an update was issued before the "
+                "graph replay that waits on the previous one consumed it. Replay (or update) once "
+                "per step, in order.")
+        self._recorded = True
+        waiting, self._waiting = self._waiting, []
+        for graph, resume_at in waiting:
+            _resume(graph, resume_at)
+
+    def _clear(self) -> None:
+        self._recorded = False
+
+    def consume_for(self, graph, resume_at: int) -> bool:
+        """At a captured wait during replay: go on if recorded, else hold the replay here."""
+        if self._recorded:
+            return True
+        self._waiting.append((graph, resume_at))
+        return False
+
+
+# -- replays waiting on an event -------------------------------------------------------------------
+
+_WAITING: dict = {}  # graph -> the segment it resumes at
+
+
+class _WaitingReplayGuard(TorchDispatchMode):
+    """On the mode stack while a replay waits: any device op issued now would queue behind the
+    graph on the chip and hang with it; here it fails loudly instead of reading the graph's stale
+    outputs. Once nothing waits it passes ops through until the next safe point pops it (a mode
+    cannot leave the stack from inside its own dispatch)."""
+
+    pushed = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if _WAITING:
+            raise _give_up_waiting(f"the device op {func}")
+        return func(*args, **(kwargs or {}))
+
+
+_GUARD = _WaitingReplayGuard()
+
+
+def _pop_guard() -> None:
+    """At a safe point (not inside the guard's own dispatch)."""
+    if _GUARD.pushed:
+        _GUARD.pushed = False
+        _GUARD.__exit__(None, None, None)
+
+
+def _deadlock(what: str) -> RuntimeError:
+    return _graph.GraphReplayError(
+        f"{what}: a replayed ACL graph waits on an ExternalEvent that no task update recorded. "
+        "On the chip this stream hangs. Before (or right after) every FULL replay, re-issue each "
+        "captured attention op between graph_task_update_begin/end on the update stream and "
+        "record its event there.")
+
+
+def _give_up_waiting(what: str) -> RuntimeError:
+    """Drop the waiting replays (their work is lost, as on a chip that timed out)."""
+    waiting = list(_WAITING)
+    _WAITING.clear()
+    for graph_ in waiting:
+        for _, event in graph_.segments:
+            if event is not None:
+                event._waiting = [w for w in event._waiting if w[0] is not graph_]
+    return _deadlock(f"{what} was issued while {len(waiting)} replay(s) wait")
+
+
+def _check_no_waiting_replay(what: str) -> None:
+    if _WAITING:
+        error = _give_up_waiting(what)
+        _pop_guard()
+        raise error
+    _pop_guard()
+
+
+def _hold(graph, resume_at: int) -> None:
+    # One replay at a time can wait: a second one would run behind it on the same stream.
+    _check_no_waiting_replay("a second graph replay")
+    _WAITING[graph] = resume_at
+    _GUARD.pushed = True
+    _GUARD.__enter__()
+
+
+def _resume(graph, resume_at: int) -> None:
+    _WAITING.pop(graph, None)
+    _pop_guard()
+    blocked_at = graph.run(resume_at)
+    if blocked_at is not None:
+        _hold(graph, blocked_at)
+
+
+# -- graphs --------------------------------------------------------------------------------------
+
+class _PoolHandle:
+    """What graph_pool_handle() returns: an opaque id of one memory pool."""
+
+    def __init__(self):
+        self.pool = _graph.GraphPool()
+
+
+def graph_pool_handle() -> _PoolHandle:
+    return _PoolHandle()
+
+
+class NPUGraph:
+    """torch.npu.NPUGraph: capture_begin/capture_end around the work, replay(), reset()."""
+
+    def __init__(self, keep_graph=False):
+        self._graph = _graph.SimGraph(_STREAM_POOL)
+        self._pool: _PoolHandle | None = None
+        self._stream: Stream | None = None
+
+    def capture_begin(self, pool=None, capture_error_mode="global") -> None:
+        _check_no_waiting_replay("NPUGraph.capture_begin")
+        s = current_stream()
+        if s is _STREAMS.default:
+            raise RuntimeError("NPU graphs must be captured on a non-default stream (enter "
+                               "torch.npu.graph(), or a torch.npu.stream() of your own)")
+        if s.capturing is not None:
+            raise RuntimeError("a capture is already under way on this stream")
+        self._pool = pool if pool is not None else _PoolHandle()
+        self._graph.begin()
+        s.capturing = self._graph
+        self._stream = s
+
+    def capture_end(self) -> None:
+        s, self._stream = self._stream, None
+        s.capturing = None
+        self._graph.end(self._pool.pool, failed=False)
+
+    def _capture_failed(self) -> None:
+        s, self._stream = self._stream, None
+        if s is not None:
+            s.capturing = None
+            self._graph.end(self._pool.pool, failed=True)
+
+    def replay(self) -> None:
+        if not self._graph.segments:
+            raise RuntimeError("replay() of an NPUGraph that holds no capture")
+        _check_no_waiting_replay("NPUGraph.replay")
+        blocked_at = self._graph.run(0)
+        if blocked_at is not None:
+            _hold(self._graph, blocked_at)
+
+    def reset(self) -> None:
+        self._graph.reset()
+
+    def pool(self) -> _PoolHandle:
+        return self._pool
+
+    # The simulator's own introspection (not torch_npu API): for tests and logs.
+    @property
+    def sim_graph(self) -> "_graph.SimGraph":
+        return self._graph
+
+
+class graph:
+    """Context manager capturing the work inside into ``npu_graph`` (torch.npu.graph)."""
+
+    default_capture_stream: "Stream | None" = None
+
+    def __init__(self, npu_graph: NPUGraph, pool=None, stream=None, auto_dispatch_capture=False,
+                 capture_error_mode="global"):
+        if auto_dispatch_capture:
+            raise NotImplementedError("auto_dispatch_capture is not simulated")
+        cls = type(self)
+        if cls.default_capture_stream is None:
+            cls.default_capture_stream = Stream()
+        self.npu_graph, self.pool = npu_graph, pool
+        self.capture_stream = stream if stream is not None else cls.default_capture_stream
+
+    def __enter__(self):
+        synchronize()
+        self._stream_ctx = stream(self.capture_stream)
+        self._stream_ctx.__enter__()
+        try:
+            self.npu_graph.capture_begin(self.pool)
+        except BaseException:
+            self._stream_ctx.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, exc_type, exc, tb):
+        try:
+            if exc_type is None:
+                self.npu_graph.capture_end()
+            else:
+                self.npu_graph._capture_failed()
+        finally:
+            self._stream_ctx.__exit__(exc_type, exc, tb)
+
+
+class _NPUTaskGroupHandle:
+    def __init__(self, graph_, group: int):
+        self.task_group = group
+        self._graph = graph_
+
+
+def graph_task_group_begin(stream: Stream) -> None:
+    if stream.capturing is None:
+        raise RuntimeError("graph_task_group_begin needs a stream that is capturing a graph")
+    stream.capturing.task_group_begin()
+
+
+def graph_task_group_end(stream: Stream) -> _NPUTaskGroupHandle:
+    if stream.capturing is None:
+        raise RuntimeError("graph_task_group_end needs a stream that is capturing a graph")
+    return _NPUTaskGroupHandle(stream.capturing, stream.capturing.task_group_end())
+
+
+def graph_task_update_begin(stream: Stream, handle: _NPUTaskGroupHandle) -> None:
+    if stream.capturing is not None:
+        raise RuntimeError("graph_task_update_begin needs a stream that is not capturing (an "
+                           "update stream of its own)")
+    if stream.update_handle is not None:
+        raise RuntimeError("graph_task_update_begin: an update is already open on this stream")
+    if not isinstance(handle, _NPUTaskGroupHandle) or not handle._graph.segments:
+        raise RuntimeError("graph_task_update_begin: the handle is not a task group of a "
+                           "captured graph")
+    stream.update_handle = handle
+    stream.update_issued = False
+
+
+def graph_task_update_end(stream: Stream) -> None:
+    handle, stream.update_handle = stream.update_handle, None
+    if handle is None:
+        raise RuntimeError("graph_task_update_end without graph_task_update_begin")
+    if not stream.update_issued:
+        raise RuntimeError(
+            "graph_task_update_end: no task was issued on the update stream between "
+            "graph_task_update_begin and graph_task_update_end (was the op issued under "
+            "torch.npu.stream(update_stream)?)")
+
+
+def open_task_update():
+    """The (stream, handle) of a task update open on the current stream, or None (used by the
+    simulator's ops: an op issued now re-parameterises the captured task instead of running)."""
+    s = current_stream()
+    return (s, s.update_handle) if s.update_handle is not None else None
+
+
+def issue_task_update(func, args: tuple, kwargs: dict) -> None:
+    s, handle = open_task_update()
+    if s.update_issued:
+        raise RuntimeError("a task update re-issues exactly one op")
+    handle._graph.task_update(handle.task_group, func, args, kwargs)
+    s.update_issued = True
+
+
+# -- device facts -----------------------------------------------------------------------------
+
+def is_available() -> bool:
+    return True
+
+
+def device_count() -> int:
+    return 1
+
+
+def current_device() -> int:
+    return 0
+
+
+def set_device(device) -> None:
+    pass
+
+
+def get_device_name(device=None) -> str:
+    return "Ascend simulator (CPU)"
+
+
+def total_memory() -> int:
+    """The simulated device memory: $VLLM_ASCEND_SIM_MEMORY_GB, default a quarter of RAM."""
+    import psutil
+
+    value = os.environ.get(MEMORY_ENV)
+    if value:
+        try:
+            gb = float(value)
+        except ValueError:
+            gb = -1
+        if gb <= 0:
+            raise ValueError(f"{MEMORY_ENV}={value!r} must be a positive number of GiB")
+        return int(gb * (1 << 30))
+    return psutil.virtual_memory().total // 4
+
+
+def memory_allocated(device=None) -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss  # the host is the device
+
+
+def mem_get_info(device=None) -> tuple[int, int]:
+    total = total_memory()
+    return max(total - memory_allocated(), 0), total
+
+
+def empty_cache() -> None:
+    pass
+
+
+def host_empty_cache() -> None:
+    pass

@@ -1,0 +1,513 @@
+"""The simulator's torch_npu operators: CPU kernels with the chip's contracts.
+
+Each operator is a ``torch.library`` op in the ``ascend_sim`` namespace, so the graph recorder sees
+one device kernel whose host arguments (FIA's ``actual_seq_lengths`` lists, for instance) are
+recorded by value, as on the chip. The checks run inside the kernels: a replay whose host values
+were changed by a task update is checked again. The Python wrappers at the bottom give each op
+torch_npu's own name, keywords and ``.out`` overload.
+
+Messages and codes follow the chip (../shared/TORCH_NPU_CONTRACTS.md, F1-F17 and section 10)
+where they are known; where the chip's rule is not documented, the stricter reading is taken and
+the comment says so.
+"""
+
+import torch
+from torch.library import Library
+
+_lib = Library("ascend_sim", "DEF")
+
+FIA_MAX_BATCH = 4096  # actual_seq_lengths(_kv) entries the chip accepts
+ATTEN_MASK_SIZE = 2048  # sparse_mode 3/4 take the compressed 2048x2048 causal mask
+INT32_MAX = 2147483647
+TILING_ERROR = 561002  # ACLNN_ERR_INNER_TILING_ERROR: a host-side shape or value check
+PARAM_INVALID = 161002  # ACLNN_ERR_PARAM_INVALID: dtype or format
+FIA_DTYPES = (torch.float16, torch.bfloat16)
+MASK_DTYPES = (torch.bool, torch.int8, torch.uint8)
+
+
+class AscendOpError(RuntimeError):
+    """An operator check failed, worded as torch_npu reports it."""
+
+    def __init__(self, op: str, aclnn: str, code: int, message: str):
+        super().__init__(f"{op} call {aclnn} failed, error code is {code}\n"
+                         f"[ERROR] EZ9999: Inner Error!\nEZ9999: {message}")
+        self.code = code
+
+
+def _fia_error(code, message):
+    return AscendOpError("npu_fused_infer_attention_score", "aclnnFusedInferAttentionScoreV3",
+                         code, message)
+
+
+def _require_contiguous(op_error, **tensors):
+    # F14: the op-plugin does not call .contiguous(); non-contiguous inputs are not supported.
+    for name, t in tensors.items():
+        if t is not None and not t.is_contiguous():
+            raise op_error(PARAM_INVALID, f"{name} must be contiguous (non-contiguous tensors "
+                           f"are not supported), got shape {list(t.shape)} stride {t.stride()}")
+
+
+# -- fused infer attention (FIA v1) -------------------------------------------------------------
+
+_FIA_ARGS = (
+    "Tensor query, Tensor key, Tensor value, *, Tensor? atten_mask=None, "
+    "SymInt[]? actual_seq_lengths=None, SymInt[]? actual_seq_lengths_kv=None, "
+    "Tensor? block_table=None, int num_heads=1, float scale=1.0, "
+    "int pre_tokens=2147483647, int next_tokens=2147483647, str input_layout=\"BSH\", "
+    "int num_key_value_heads=0, int sparse_mode=0, int inner_precise=0, int block_size=0, "
+    "bool softmax_lse_flag=False")
+_lib.define(f"npu_fused_infer_attention_score({_FIA_ARGS}) -> (Tensor, Tensor)")
+_lib.define(f"npu_fused_infer_attention_score.out({_FIA_ARGS}, Tensor? workspace=None, "
+            "Tensor(a!) attention_out, Tensor(b!) softmax_lse) -> (Tensor(a!), Tensor(b!))")
+
+
+def check_fia(query, key, value, atten_mask, actual_seq_lengths, actual_seq_lengths_kv,
+              block_table, num_heads, num_key_value_heads, input_layout, sparse_mode,
+              block_size, pre_tokens, next_tokens):
+    """The host-side checks of FIA in the TND layout; returns (q_lens, kv_lens, head_dim)."""
+    if input_layout != "TND":
+        raise _fia_error(TILING_ERROR, f"input_layout {input_layout!r} is not simulated "
+                         "(vllm-ascend uses TND)")
+    if query.dim() != 3:  # F1
+        raise RuntimeError("query's dim should be consistent with that of Layout")
+    if not (query.dtype == key.dtype == value.dtype) or query.dtype not in FIA_DTYPES:  # F8
+        raise _fia_error(PARAM_INVALID, "Input dtype of Q, K, and V must be consitent, and "
+                         f"float16 or bfloat16 (got {query.dtype}, {key.dtype}, {value.dtype})")
+    _require_contiguous(_fia_error, query=query, key=key, value=value, atten_mask=atten_mask,
+                        block_table=block_table)
+    t, n, d = query.shape
+    nkv = num_key_value_heads or num_heads
+    if n != num_heads:
+        raise _fia_error(TILING_ERROR, f"query's head number({n}) must be equal to "
+                         f"numHeads({num_heads})")
+    # F10
+    if num_heads > 256 or nkv > 256 or num_heads % nkv != 0 or num_heads // nkv > 64:
+        raise _fia_error(TILING_ERROR, f"numHeads({num_heads}) and numKeyValueHeads({nkv}) are "
+                         "invalid: each at most 256, numHeads a multiple of numKeyValueHeads, "
+                         "ratio at most 64")
+    # F8, F9: TND head dim at most 256 and 16-element aligned for fp16/bf16.
+    if d > 256:
+        raise _fia_error(TILING_ERROR, "When input layout is TND, headDim shall not exceed 256")
+    if d % 16 != 0:
+        raise _fia_error(TILING_ERROR, f"D should be 16 elements aligned, but got D={d}")
+    # F2
+    for name, lst in (("actualSequenceLengthQ", actual_seq_lengths),
+                      ("actualSequenceLengthKV", actual_seq_lengths_kv)):
+        if not lst:
+            raise _fia_error(TILING_ERROR, f"When layout is TND, {name} is required and must "
+                             "not be empty")
+        if len(lst) > FIA_MAX_BATCH:
+            raise _fia_error(TILING_ERROR, f"{name} has {len(lst)} elements, at most "
+                             f"{FIA_MAX_BATCH} are supported")
+    cu_q = list(actual_seq_lengths)
+    prev = 0
+    for i, v in enumerate(cu_q):
+        if v < prev:
+            raise _fia_error(TILING_ERROR, "When layout is TND, actualSequenceLengthQ must be "
+                             f"non-decreasing and non-negative, but element {i} is {v} after {prev}")
+        prev = v
+    if t != cu_q[-1]:  # F3
+        raise _fia_error(TILING_ERROR, f"When layout is TND, queryT({t}) must be equal to the "
+                         f"last element of actualSequenceLengthQ({cu_q[-1]})")
+    batch = len(cu_q)
+    q_lens = [b - a for a, b in zip([0] + cu_q[:-1], cu_q)]
+    # F11-F13
+    if sparse_mode in (5, 6, 7, 8) or sparse_mode not in (0, 1, 2, 3, 4):
+        raise _fia_error(TILING_ERROR, f"sparse_mode {sparse_mode} is not supported")
+    if sparse_mode not in (0, 3):
+        # Modes 1, 2 and 4 exist on the chip; vllm-ascend's decoder path uses 3 (causal).
+        raise _fia_error(TILING_ERROR, f"sparse_mode {sparse_mode} is not simulated (use 3 "
+                         "with the causal mask, or 0 without a mask)")
+    if atten_mask is not None and sparse_mode not in (3, 4):
+        raise _fia_error(TILING_ERROR, "When attnMask is provided, sparseMode must be 3 or 4")
+    if sparse_mode == 3:
+        if atten_mask is None:
+            raise _fia_error(TILING_ERROR, "sparseMode 3 needs the 2048x2048 attnMask")
+        if atten_mask.dtype not in MASK_DTYPES:
+            raise _fia_error(PARAM_INVALID, f"attnMask dtype must be bool, int8 or uint8, got "
+                             f"{atten_mask.dtype}")
+        if atten_mask.dim() not in (2, 3, 4) or any(s != 1 for s in atten_mask.shape[:-2]):
+            raise _fia_error(TILING_ERROR, "attnMask must be 2/3/4-D with leading dims of 1")
+        for dim in atten_mask.shape[-2:]:
+            if dim != ATTEN_MASK_SIZE:
+                raise _fia_error(TILING_ERROR, f"When sparseMode is 3, maskDim {dim} shall be "
+                                 f"{ATTEN_MASK_SIZE}")
+    if pre_tokens != INT32_MAX or next_tokens != INT32_MAX:
+        # They only matter for mode 4 (band), which is not simulated; stricter reading.
+        raise _fia_error(TILING_ERROR, "pre_tokens/next_tokens other than 2147483647 are not "
+                         "simulated (sparse_mode 4)")
+    if sparse_mode == 0 and any(q > 1 for q in q_lens):
+        # Without a mask every query token sees every key: not causal for prefill.
+        raise _fia_error(TILING_ERROR, "sparse_mode 0 (no mask) with a query length > 1 is "
+                         "not causal; use sparse_mode 3 with the causal mask")
+    kv = list(actual_seq_lengths_kv)
+    if block_table is None:
+        # F4: without paged attention KV is TND like the query, lengths cumulative.
+        if key.dim() != 3 or value.dim() != 3 or key.shape[1:] != (nkv, d) or \
+                value.shape[1] != nkv:
+            raise _fia_error(TILING_ERROR, f"When layout is TND, key/value must be [T, "
+                             f"{nkv}, {d}], got {list(key.shape)} and {list(value.shape)}")
+        if not (key.shape[0] == value.shape[0] == kv[-1]):
+            raise _fia_error(TILING_ERROR, "When layout is TND and PA not enabled, "
+                             f"keyT({key.shape[0]}) and valueT({value.shape[0]}) must be equal "
+                             f"to the last element of actualSeqenceLengthKV({kv[-1]})")
+        if len(kv) != batch:
+            raise _fia_error(TILING_ERROR, f"The size({len(kv)}) of actualSeqLengthsKv is not "
+                             f"equal to the batchSize({batch})")
+        kv_lens = [b - a for a, b in zip([0] + kv[:-1], kv)]
+        return q_lens, kv_lens, d
+    # Paged attention (F5, F6).
+    if block_table.dtype != torch.int32 or block_table.dim() != 2:
+        raise _fia_error(PARAM_INVALID, f"block_table must be a 2-D int32 tensor, got "
+                         f"{block_table.dim()}-D {block_table.dtype}")
+    if key.dim() != 3 or value.dim() != 3:
+        raise _fia_error(TILING_ERROR, "When layout is TND and page attention is enabled, the "
+                         "cache shape must be BnBsH (3-D [num_blocks, block_size, H]), got "
+                         f"{key.dim()}-D key and {value.dim()}-D value")
+    # The tiling's message says "less than 512" and the doc says up to 1024: stricter reading.
+    if block_size % 16 != 0 or not 0 < block_size < 512:
+        raise _fia_error(TILING_ERROR, f"blockSize({block_size}) must be a multiple of 16 and "
+                         "less than 512 (vllm-ascend uses 128)")
+    if key.shape[1] != block_size or value.shape[1] != block_size:
+        raise _fia_error(TILING_ERROR, "the first dim of K and V must be consistent with input "
+                         f"blockSize attr: cache block size {key.shape[1]} vs blockSize "
+                         f"{block_size}")
+    if key.shape[2] != nkv * d or value.shape[2] != nkv * d or key.shape[0] != value.shape[0]:
+        raise _fia_error(TILING_ERROR, f"key/value cache H must be numKeyValueHeads({nkv}) x "
+                         f"D({d}) = {nkv * d}, got {key.shape[2]} and {value.shape[2]}")
+    if len(kv) != batch:
+        raise _fia_error(TILING_ERROR, f"The size({len(kv)}) of actualSeqLengthsKv is not equal "
+                         f"to the batchSize({batch})")
+    need = max(-(-max(kv) // block_size), 1)
+    if block_table.shape[0] != batch or block_table.shape[1] < need:
+        raise _fia_error(TILING_ERROR, "When page attention enable, block table shape should be "
+                         f"[{batch}, >={need}], now is [{block_table.shape[0]}, "
+                         f"{block_table.shape[1]}]")
+    for b, (q, k) in enumerate(zip(q_lens, kv)):
+        if k < q or k < 0:
+            raise _fia_error(TILING_ERROR, f"actualSeqLengthsKv[{b}]({k}) is less than the "
+                             f"query length({q}): the query's tokens are the last of the "
+                             "request's KV")
+    return q_lens, kv, d
+
+
+def _gather_rows(flat: torch.Tensor, starts: list[int], lens: list[int], width: int):
+    """[T, ...] -> [B, width, ...] by request (padded with row 0) and the validity mask."""
+    dev = flat.device
+    pos = torch.arange(width, device=dev)
+    valid = pos[None, :] < torch.tensor(lens, device=dev)[:, None]
+    idx = torch.where(valid, torch.tensor(starts, device=dev)[:, None] + pos, 0)
+    return flat[idx], valid
+
+
+def fia_kernel(query, key, value, atten_mask, actual_seq_lengths, actual_seq_lengths_kv,
+               block_table, num_heads, scale, pre_tokens, next_tokens, input_layout,
+               num_key_value_heads, sparse_mode, block_size, out):
+    """Attention of each request's query tokens over its KV (causal: query i sits at position
+    kv_len - q_len + i), written into ``out`` [T, N, D]."""
+    q_lens, kv_lens, d = check_fia(
+        query, key, value, atten_mask, actual_seq_lengths, actual_seq_lengths_kv, block_table,
+        num_heads, num_key_value_heads, input_layout, sparse_mode, block_size, pre_tokens,
+        next_tokens)
+    nkv = num_key_value_heads or num_heads
+    max_q, max_kv = max(q_lens), max(kv_lens)
+    if query.shape[0] == 0 or max_q == 0:
+        return  # F17: nothing to attend for
+    cu_q = list(actual_seq_lengths)
+    q_starts = [c - q for c, q in zip(cu_q, q_lens)]
+    qp, q_valid = _gather_rows(query, q_starts, q_lens, max_q)  # [B, Sq, N, D]
+    batch = len(q_lens)
+    if block_table is not None:
+        nblk = max(1, -(-max_kv // block_size))
+        blocks = block_table[:, :nblk].long()
+        kp = key[blocks].reshape(batch, nblk * block_size, nkv, d)[:, :max_kv]
+        vp = value[blocks].reshape(batch, nblk * block_size, nkv, d)[:, :max_kv]
+    else:
+        kv_cu = list(actual_seq_lengths_kv)
+        kv_starts = [c - k for c, k in zip(kv_cu, kv_lens)]
+        kp, _ = _gather_rows(key, kv_starts, kv_lens, max_kv)
+        vp, _ = _gather_rows(value, kv_starts, kv_lens, max_kv)
+    dev = query.device
+    kv_len_t = torch.tensor(kv_lens, device=dev)[:, None, None]
+    j = torch.arange(max_kv, device=dev)[None, None, :]
+    qpos = (kv_len_t - torch.tensor(q_lens, device=dev)[:, None, None]
+            + torch.arange(max_q, device=dev)[None, :, None])
+    allowed = (j < kv_len_t) & ((j <= qpos) if sparse_mode == 3 else True)
+    allowed |= ~q_valid[:, :, None]  # padded query rows: any finite row, discarded below
+    o = torch.nn.functional.scaled_dot_product_attention(
+        qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2), attn_mask=allowed[:, None],
+        scale=scale, enable_gqa=num_heads != nkv).transpose(1, 2)  # [B, Sq, N, D]
+    rows = torch.tensor(q_starts, device=dev)[:, None] + torch.arange(max_q, device=dev)
+    out[rows[q_valid]] = o[q_valid].to(out.dtype)
+
+
+def _fia_impl(query, key, value, *, atten_mask=None, actual_seq_lengths=None,
+              actual_seq_lengths_kv=None, block_table=None, num_heads=1, scale=1.0,
+              pre_tokens=INT32_MAX, next_tokens=INT32_MAX, input_layout="BSH",
+              num_key_value_heads=0, sparse_mode=0, inner_precise=0, block_size=0,
+              softmax_lse_flag=False):
+    out = torch.zeros_like(query)
+    fia_kernel(query, key, value, atten_mask, actual_seq_lengths, actual_seq_lengths_kv,
+               block_table, num_heads, scale, pre_tokens, next_tokens, input_layout,
+               num_key_value_heads, sparse_mode, block_size, out)
+    if softmax_lse_flag:
+        raise _fia_error(TILING_ERROR, "softmax_lse_flag=True is not simulated")
+    # With the flag off the op returns an empty float32 lse (OpApi.cpp:356).
+    return out, torch.empty(0, dtype=torch.float32, device=query.device)
+
+
+def _fia_out_impl(query, key, value, *, atten_mask=None, actual_seq_lengths=None,
+                  actual_seq_lengths_kv=None, block_table=None, num_heads=1, scale=1.0,
+                  pre_tokens=INT32_MAX, next_tokens=INT32_MAX, input_layout="BSH",
+                  num_key_value_heads=0, sparse_mode=0, inner_precise=0, block_size=0,
+                  softmax_lse_flag=False, workspace=None, attention_out, softmax_lse):
+    if softmax_lse_flag:
+        raise _fia_error(TILING_ERROR, "softmax_lse_flag=True is not simulated")
+    need = fia_workspace_elements(query, block_table, num_heads)
+    if workspace is None or workspace.dtype != query.dtype or workspace.numel() < need:
+        got = "none" if workspace is None else f"{workspace.numel()} {workspace.dtype}"
+        raise _fia_error(TILING_ERROR, f"the .out call needs workspace= from "
+                         f"_npu_fused_infer_attention_score_get_max_workspace ({need} elements of "
+                         f"{query.dtype}), got {got}")
+    if attention_out.shape != query.shape or attention_out.dtype != query.dtype or \
+            not attention_out.is_contiguous():
+        raise _fia_error(TILING_ERROR, f"attention_out must be a contiguous "
+                         f"{list(query.shape)} {query.dtype} tensor, got "
+                         f"{list(attention_out.shape)} {attention_out.dtype}")
+    fia_kernel(query, key, value, atten_mask, actual_seq_lengths, actual_seq_lengths_kv,
+               block_table, num_heads, scale, pre_tokens, next_tokens, input_layout,
+               num_key_value_heads, sparse_mode, block_size, attention_out)
+    return attention_out, softmax_lse
+
+
+def fia_workspace_elements(query, block_table, num_heads) -> int:
+    """The simulator's workspace size, in elements of the query's dtype. The chip's formula is
+    not public; like it, this does not depend on the sequence lengths, only on the shapes, so
+    one workspace per capture size serves every update."""
+    batch = block_table.shape[0] if block_table is not None else 1
+    return 4096 + 64 * num_heads * (query.shape[0] + batch)
+
+
+_lib.impl("npu_fused_infer_attention_score", _fia_impl, "CPU")
+_lib.impl("npu_fused_infer_attention_score.out", _fia_out_impl, "CPU")
+
+
+# -- writing K/V into the paged caches -----------------------------------------------------------
+
+_lib.define("npu_scatter_pa_kv_cache(Tensor key, Tensor value, Tensor(a!) key_cache, "
+            "Tensor(b!) value_cache, Tensor slot_mapping, *, str? cache_mode='PA_NZ') -> ()")
+
+
+def _scatter_error(code, message):
+    return AscendOpError("npu_scatter_pa_kv_cache", "aclnnScatterPaKvCache", code, message)
+
+
+def _scatter_impl(key, value, key_cache, value_cache, slot_mapping, *, cache_mode="PA_NZ"):
+    if cache_mode != "Norm":
+        # 'PA_NZ' (the default) expects NZ-format caches; vLLM's caches are ND.
+        raise _scatter_error(PARAM_INVALID, f"cache_mode {cache_mode!r} expects NZ caches, but "
+                             "the caches are ND [num_blocks, block_size, heads, head_size]: pass "
+                             "cache_mode='Norm'")
+    _require_contiguous(_scatter_error, key=key, value=value, key_cache=key_cache,
+                        value_cache=value_cache, slot_mapping=slot_mapping)
+    if not (key.dtype == value.dtype == key_cache.dtype == value_cache.dtype):
+        raise _scatter_error(PARAM_INVALID, "key, value and the caches must share one dtype, got "
+                             f"{key.dtype}, {value.dtype}, {key_cache.dtype}, {value_cache.dtype}")
+    # The doc allows int32 or int64 slots; upstream passes int32, and so must the product.
+    if slot_mapping.dtype != torch.int32 or slot_mapping.dim() != 1:
+        raise _scatter_error(PARAM_INVALID, f"slot_mapping must be a 1-D int32 tensor, got "
+                             f"{slot_mapping.dim()}-D {slot_mapping.dtype}")
+    if key.dim() != 3 or value.dim() != 3 or key_cache.dim() != 4 or value_cache.dim() != 4:
+        raise _scatter_error(TILING_ERROR, "key/value must be [T, heads, head_size] and the "
+                             "caches [num_blocks, block_size, heads, head_size]")
+    if key.shape[1:] != key_cache.shape[2:] or value.shape[1:] != value_cache.shape[2:] or \
+            key.shape[0] != value.shape[0] or key_cache.shape[:2] != value_cache.shape[:2]:
+        raise _scatter_error(TILING_ERROR, f"shapes do not match: key {list(key.shape)}, value "
+                             f"{list(value.shape)}, caches {list(key_cache.shape)} and "
+                             f"{list(value_cache.shape)}")
+    if slot_mapping.shape[0] != key.shape[0]:
+        raise _scatter_error(TILING_ERROR, f"slot_mapping has {slot_mapping.shape[0]} slots for "
+                             f"{key.shape[0]} tokens")
+    slots = slot_mapping.long()
+    keep = slots >= 0  # -1 marks a padded token: nothing is written for it
+    slots = slots[keep]
+    num_blocks, block_size = key_cache.shape[:2]
+    if slots.numel():
+        if int(slots.max()) >= num_blocks * block_size:
+            raise _scatter_error(TILING_ERROR, f"slot {int(slots.max())} is out of range "
+                                 f"[0, {num_blocks * block_size - 1}]")
+        if slots.unique().numel() != slots.numel():
+            raise _scatter_error(TILING_ERROR, "slot_mapping values must be unique")
+    blk, off = slots // block_size, slots % block_size
+    key_cache[blk, off] = key[keep]
+    value_cache[blk, off] = value[keep]
+
+
+_lib.impl("npu_scatter_pa_kv_cache", _scatter_impl, "CPU")
+
+
+# -- norms, activation, rotary embedding ---------------------------------------------------------
+
+_lib.define("npu_rms_norm(Tensor self, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor)")
+_lib.define("npu_add_rms_norm(Tensor x1, Tensor x2, Tensor gamma, float epsilon=1e-06) "
+            "-> (Tensor, Tensor, Tensor)")
+_lib.define("npu_swiglu(Tensor self, int dim=-1) -> Tensor")
+_lib.define("npu_rotary_mul(Tensor self, Tensor r1, Tensor r2, str rotary_mode='half') "
+            "-> Tensor")
+_lib.define("npu_mrope(Tensor positions, Tensor query, Tensor key, Tensor cos_sin_cache, "
+            "int head_size, *, int[]? mrope_section=None, str? rotary_mode='half', "
+            "str? cache_mode='default') -> (Tensor, Tensor)")
+ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _op_error(op):
+    return lambda code, message: AscendOpError(op, f"aclnn op of {op}", code, message)
+
+
+def _rms(x, gamma, eps):
+    """(y, rstd): rstd is float32 [..., 1], as torch_npu returns it."""
+    xf = x.float()
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * rstd * gamma.float()).to(x.dtype), rstd
+
+
+def _check_norm(op, x, gamma):
+    error = _op_error(op)
+    if not 2 <= x.dim() <= 8:
+        raise error(PARAM_INVALID, f"input must be 2-8-D, got {x.dim()}-D")
+    if x.dtype not in ACT_DTYPES or gamma.dtype not in (x.dtype, torch.float32):
+        raise error(PARAM_INVALID, f"input dtype {x.dtype} with gamma {gamma.dtype} is not "
+                    "supported")
+    if tuple(gamma.shape) != tuple(x.shape[x.dim() - gamma.dim():]):
+        raise error(TILING_ERROR, f"gamma {list(gamma.shape)} must equal the trailing dims of "
+                    f"the input {list(x.shape)}")
+    # Upstream passes strided q/k head views (Qwen3's q_norm): no contiguity rule here.
+
+
+def _rms_norm_impl(x, gamma, epsilon=1e-6):
+    _check_norm("npu_rms_norm", x, gamma)
+    return _rms(x, gamma, epsilon)
+
+
+def _add_rms_norm_impl(x1, x2, gamma, epsilon=1e-6):
+    _check_norm("npu_add_rms_norm", x1, gamma)
+    if x2.shape != x1.shape or x2.dtype != x1.dtype or gamma.dtype != x1.dtype:
+        raise _op_error("npu_add_rms_norm")(PARAM_INVALID, "x1, x2 and gamma must share the "
+                                             "dtype, and x1 and x2 the shape")
+    if x1.numel() == 0:
+        raise _op_error("npu_add_rms_norm")(PARAM_INVALID, "empty tensors are not supported")
+    summed = x1 + x2
+    y, rstd = _rms(summed, gamma, epsilon)
+    return y, rstd, summed
+
+
+def _swiglu_impl(x, dim=-1):
+    error = _op_error("npu_swiglu")
+    _require_contiguous(error, input=x)
+    if x.shape[dim] % 2 or x.dtype not in ACT_DTYPES:
+        raise error(TILING_ERROR, f"dim {dim} of {list(x.shape)} must be even and the dtype "
+                    f"fp32/fp16/bf16, got {x.dtype}")
+    a, b = x.chunk(2, dim=dim)
+    return torch.nn.functional.silu(a) * b
+
+
+def rotate(x, cos, sin, interleaved):
+    """x*cos + rot(x)*sin with full-width cos/sin in the same layout as x."""
+    if interleaved:
+        turned = torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+    else:
+        x1, x2 = x.chunk(2, dim=-1)
+        turned = torch.cat((-x2, x1), dim=-1)
+    return x * cos + turned * sin
+
+
+def _rotary_mul_impl(x, r1, r2, rotary_mode="half"):
+    error = _op_error("npu_rotary_mul")
+    if x.dim() not in (3, 4) or x.shape[-1] % 2 or x.shape[-1] >= 896:
+        raise error(TILING_ERROR, f"input must be 3/4-D with an even last dim below 896, got "
+                    f"{list(x.shape)}")
+    if rotary_mode not in ("half", "interleave"):
+        raise error(PARAM_INVALID, f"rotary_mode {rotary_mode!r} must be 'half' or 'interleave'")
+    if r1.shape != r2.shape or r1.shape[-1] != x.shape[-1] or r1.dim() != x.dim() or any(
+            r not in (1, s) for r, s in zip(r1.shape, x.shape)):
+        raise error(TILING_ERROR, f"cos/sin {list(r1.shape)} must broadcast to the input "
+                    f"{list(x.shape)} (e.g. 1S1D, 11SD) with the same last dim")
+    if not (x.dtype == r1.dtype == r2.dtype):
+        raise error(PARAM_INVALID, f"input, r1 and r2 must share the dtype, got {x.dtype}, "
+                    f"{r1.dtype}, {r2.dtype}")
+    _require_contiguous(error, input=x, r1=r1, r2=r2)
+    return rotate(x, r1, r2, rotary_mode == "interleave")
+
+
+def _mrope_impl(positions, query, key, cos_sin_cache, head_size, *, mrope_section=None,
+                rotary_mode="half", cache_mode="default"):
+    error = _op_error("npu_mrope")
+    rot = cos_sin_cache.shape[-1]
+    if list(mrope_section or [0, 0, 0]) != [0, 0, 0]:
+        raise error(TILING_ERROR, "multimodal mrope_section is not simulated")
+    if rotary_mode not in ("half", "interleaved") or cache_mode != "default":
+        raise error(PARAM_INVALID, f"rotary_mode {rotary_mode!r} / cache_mode {cache_mode!r} "
+                    "are not supported")
+    if query.dim() != 2 or key.dim() != 2 or positions.dim() != 1 or \
+            positions.shape[0] != query.shape[0] or query.shape[1] % head_size or \
+            key.shape[1] % head_size:
+        raise error(TILING_ERROR, "query/key must be [T, heads*head_size] and positions [T]")
+    if cos_sin_cache.dtype != query.dtype or query.dtype != key.dtype:
+        raise error(PARAM_INVALID, "cos_sin_cache, query and key must share the dtype")
+    if query.dtype != torch.float32 and (head_size % 32 or rot % 32) or rot > head_size:
+        raise error(TILING_ERROR, f"head_size({head_size}) and rotary_dim({rot}) must be "
+                    "multiples of 32 for fp16/bf16, rotary_dim at most head_size")
+    _require_contiguous(error, positions=positions, query=query, key=key,
+                        cos_sin_cache=cos_sin_cache)
+    cos, sin = cos_sin_cache.index_select(0, positions.long()).chunk(2, dim=-1)
+    interleaved = rotary_mode == "interleaved"
+    if interleaved:
+        cos, sin = cos.repeat_interleave(2, -1), sin.repeat_interleave(2, -1)
+    else:
+        cos, sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+
+    def apply(x):
+        x = x.unflatten(-1, (-1, head_size))
+        turned = rotate(x[..., :rot], cos, sin, interleaved)
+        return torch.cat((turned, x[..., rot:]), -1).flatten(-2) if rot < head_size else \
+            turned.flatten(-2)
+
+    return apply(query), apply(key)
+
+
+_lib.impl("npu_rms_norm", _rms_norm_impl, "CPU")
+_lib.impl("npu_add_rms_norm", _add_rms_norm_impl, "CPU")
+_lib.impl("npu_swiglu", _swiglu_impl, "CPU")
+_lib.impl("npu_rotary_mul", _rotary_mul_impl, "CPU")
+_lib.impl("npu_mrope", _mrope_impl, "CPU")
+
+
+# Shapes only, for torch.compile's tracing (torch_npu registers Meta kernels for its ops too).
+@torch.library.register_fake("ascend_sim::npu_rms_norm")
+def _rms_norm_fake(x, gamma, epsilon=1e-6):
+    return torch.empty_like(x), x.new_empty(x.shape[:-1] + (1,), dtype=torch.float32)
+
+
+@torch.library.register_fake("ascend_sim::npu_add_rms_norm")
+def _add_rms_norm_fake(x1, x2, gamma, epsilon=1e-6):
+    rstd = x1.new_empty(x1.shape[:-1] + (1,), dtype=torch.float32)
+    return torch.empty_like(x1), rstd, torch.empty_like(x1)
+
+
+@torch.library.register_fake("ascend_sim::npu_swiglu")
+def _swiglu_fake(x, dim=-1):
+    shape = list(x.shape)
+    shape[dim] //= 2
+    return x.new_empty(shape)
+
+
+@torch.library.register_fake("ascend_sim::npu_rotary_mul")
+def _rotary_mul_fake(x, r1, r2, rotary_mode="half"):
+    return torch.empty_like(x)
+
+
+@torch.library.register_fake("ascend_sim::npu_mrope")
+def _mrope_fake(positions, query, key, cos_sin_cache, head_size, *, mrope_section=None,
+                rotary_mode="half", cache_mode="default"):
+    return torch.empty_like(query), torch.empty_like(key)
