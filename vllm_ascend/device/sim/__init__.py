@@ -4,6 +4,9 @@ graph.py). Only what the product uses is here; anything else is an AttributeErro
 torch_npu has but the simulator does not model is refused rather than ignored.
 """
 
+import os
+import sys
+
 import torch
 
 from vllm_ascend.device.sim import npu  # noqa: F401  (torch_npu.npu, i.e. torch.npu)
@@ -110,3 +113,8 @@ class _C:
         # the simulator returns the tensor itself: a captured graph keeps it alive anyway.
         return tensor
 
+
+if os.environ.get("VLLM_ASCEND_SIM_CALL_LOG"):  # the simulator's call log (see trace.py)
+    from vllm_ascend.device.sim import trace
+
+    trace.install(sys.modules[__name__], npu)

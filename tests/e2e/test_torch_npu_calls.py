@@ -1,0 +1,119 @@
+"""Every torch_npu call the engine makes, checked against upstream vllm-ascend's call sites.
+
+Two engines run with the simulator's call log on: an eager one (every op called from Python) and
+one in FULL_AND_PIECEWISE (attention eager between pieces, FIA captured in FULL graphs and updated
+every step; its compiled pieces call their ops directly, unlogged). Each distinct call shape must
+match the table below, written from ../shared/TORCH_NPU_CONTRACTS.md (op name, positional
+count, keyword names, dtypes, ranks, contiguity), and every API of the table must be used.
+"""
+
+import json
+
+import pytest
+
+from tests.e2e.conftest import engine, model_path, vllm_greedy
+
+
+def tensor(dims, dtypes=("bfloat16",), contiguous=True):
+    dims = (dims,) if isinstance(dims, int) else dims
+
+    def check(d):
+        return isinstance(d, dict) and d["dim"] in dims and d["dtype"] in dtypes and (
+            d["contiguous"] or not contiguous)
+
+    check.__doc__ = f"{dims}-D {dtypes}{' contiguous' if contiguous else ''} tensor"
+    return check
+
+
+def value(*allowed):
+    def check(d):
+        return d in allowed
+
+    check.__doc__ = f"one of {allowed}"
+    return check
+
+
+HOST_LIST, INT, FLOAT = value("list[int]"), value("int"), value("float")
+CAPTURING, IDLE = value("stream(capturing)"), value("stream")
+# attention_v1.py:1447-1468 through device_op.py:93-101 (eager), 998-1016 (workspace),
+# 1061-1086 (capture) and 885-910 (update): everything by keyword, TND, paged BnBsH caches.
+FIA = {"query": tensor(3), "key": tensor(3), "value": tensor(3), "atten_mask": tensor(2, ("int8",)),
+       "block_table": tensor(2, ("int32",)), "input_layout": value("TND"), "block_size": INT,
+       "actual_seq_lengths": HOST_LIST, "actual_seq_lengths_kv": HOST_LIST,
+       "num_key_value_heads": INT, "num_heads": INT, "scale": FLOAT, "sparse_mode": INT}
+FIA_GRAPH = {**FIA, "pre_tokens": INT, "next_tokens": INT}
+TABLE = {
+    "npu_fused_infer_attention_score": ([], FIA),
+    "_npu_fused_infer_attention_score_get_max_workspace": ([], FIA_GRAPH),
+    "npu_fused_infer_attention_score.out": ([], {
+        **FIA_GRAPH, "workspace": tensor(1),
+        "out": lambda d: isinstance(d, list) and tensor(3)(d[0]) and tensor(1)(d[1])}),
+    # device_op.py:44-53
+    "npu_scatter_pa_kv_cache": ([], {
+        "key": tensor(3), "value": tensor(3), "key_cache": tensor(4), "value_cache": tensor(4),
+        "slot_mapping": tensor(1, ("int32",)), "cache_mode": value("Norm")}),
+    # layernorm.py:76-81, activation.py:37 (positional); rotary_mul on [1, T, N, D]
+    "npu_rms_norm": ([tensor((2, 3), contiguous=False), tensor(1), FLOAT], {}),
+    "npu_add_rms_norm": ([tensor(2), tensor(2), tensor(1), FLOAT], {}),
+    "npu_swiglu": ([tensor(2)], {}),
+    "npu_rotary_mul": ([tensor(4), tensor(4), tensor(4)], {"rotary_mode": value("half")}),
+    # model_runner_v1.py / acl_graph.py / attention_v1.py: graphs, task groups, events
+    "npu.graph": ([value("NPUGraph")], {"pool": value("_PoolHandle")}),
+    "npu.graph_pool_handle": ([], {}),
+    "npu.NPUGraph.capture_begin": ([value("_PoolHandle")], {}),
+    "npu.NPUGraph.capture_end": ([], {}),
+    "npu.NPUGraph.replay": ([], {}),
+    "npu.current_stream": ([], {}),
+    "npu.is_current_stream_capturing": ([], {}),
+    "npu.stream": ([value("stream", "stream(capturing)")], {}),
+    "npu.synchronize": ([], {}),
+    "npu.Stream.synchronize": ([], {}),
+    "npu.ExternalEvent.wait": ([CAPTURING], {}),
+    "npu.ExternalEvent.reset": ([CAPTURING], {}),
+    "npu.ExternalEvent.record": ([IDLE], {}),
+    "npu.graph_task_group_begin": ([CAPTURING], {}),
+    "npu.graph_task_group_end": ([CAPTURING], {}),
+    "npu.graph_task_update_begin": ([IDLE, value("_NPUTaskGroupHandle")], {}),
+    "npu.graph_task_update_end": ([IDLE], {}),
+}
+
+
+@pytest.fixture(scope="module")
+def call_log(tmp_path_factory):
+    path = tmp_path_factory.mktemp("calls") / "torch_npu_calls.jsonl"
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_ASCEND_SIM_CALL_LOG", str(path))  # read by the engine process
+        # Qwen3: q/k RMSNorm on head views as well as the residual norms.
+        for mode in ({"enforce_eager": True}, {"compilation_config": {
+                "cudagraph_mode": "FULL_AND_PIECEWISE", "cudagraph_capture_sizes": [1, 2, 4]}}):
+            with engine(model_path("qwen3"), max_num_seqs=4, **mode) as llm:
+                vllm_greedy(llm, ["The capital of France is", "1, 2, 3,", "Hello"], 6)
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_every_call_matches_upstreams_call_site(call_log):
+    problems = []
+    for call in call_log:
+        api = call["api"]
+        if api not in TABLE:
+            problems.append(f"{api}: not an API upstream vllm-ascend calls on this path")
+            continue
+        positional, keywords = TABLE[api]
+        if len(call["args"]) != len(positional):
+            problems.append(f"{api}: {len(call['args'])} positional arguments, upstream passes "
+                            f"{len(positional)}")
+        for i, (check, got) in enumerate(zip(positional, call["args"])):
+            if not check(got):
+                problems.append(f"{api}: argument {i} is {got}, upstream passes {check.__doc__}")
+        if set(call["kwargs"]) != set(keywords):
+            problems.append(f"{api}: keywords {sorted(call['kwargs'])}, upstream passes "
+                            f"{sorted(keywords)}")
+        for name, got in call["kwargs"].items():
+            if name in keywords and not keywords[name](got):
+                problems.append(f"{api}: {name}={got}, upstream passes "
+                                f"{keywords[name].__doc__ or 'another kind'}")
+    assert not problems, "\n".join(problems)
+
+
+def test_every_upstream_call_site_is_exercised(call_log):
+    assert set(TABLE) - {c["api"] for c in call_log} == set()

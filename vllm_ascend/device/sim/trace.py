@@ -1,0 +1,92 @@
+"""A log of the torch_npu calls a process makes, for checking them against upstream's call sites.
+
+With ``VLLM_ASCEND_SIM_CALL_LOG=<path>`` set, every call into the simulated torch_npu surface
+appends one JSON line per distinct call shape made from Python (an eager step, attention between
+graph pieces, a capture or a task update; a compiled piece calls its ops directly): the API name, and for each argument (positional
+in order, then keywords) its kind: a tensor's dtype, rank and contiguity, a host list, a
+string's value, a stream's state. The simulator's own setting: the product does not know of it.
+"""
+
+import functools
+import json
+import os
+import threading
+
+import torch
+
+CALL_LOG_ENV = "VLLM_ASCEND_SIM_CALL_LOG"
+_seen: set = set()
+_lock = threading.Lock()
+
+
+def describe(value):
+    if isinstance(value, torch.Tensor):
+        return {"dtype": str(value.dtype).removeprefix("torch."), "dim": value.dim(),
+                "contiguous": value.is_contiguous()}
+    if isinstance(value, (list, tuple)):
+        if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            return "list[int]"
+        return [describe(v) for v in value]
+    if isinstance(value, str):
+        return value
+    capturing = getattr(value, "capturing", ...)
+    if capturing is not ...:  # a stream
+        return "stream(capturing)" if capturing is not None else "stream"
+    return type(value).__name__
+
+
+def _log(name: str, args, kwargs) -> None:
+    if torch.compiler.is_compiling():
+        # Dynamo is tracing the call into a compiled piece: the piece later calls the op
+        # itself, not this wrapper, so only calls made from Python (eager steps, the attention
+        # op between pieces, captures and updates) are logged.
+        return
+    record = {"api": name, "args": [describe(a) for a in args],
+              "kwargs": {k: describe(v) for k, v in kwargs.items()}}
+    line = json.dumps(record, sort_keys=True)
+    with _lock:
+        if line in _seen:
+            return
+        _seen.add(line)
+        with open(os.environ[CALL_LOG_ENV], "a") as f:
+            f.write(line + "\n")
+
+
+def traced(name: str, fn):
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        _log(name, args, kwargs)
+        return fn(*args, **kwargs)
+
+    return call
+
+
+def install(torch_npu_module, npu_module) -> None:
+    """Wrap the simulated torch_npu and torch.npu surfaces (called at import when the log is on)."""
+    for name in ("_npu_fused_infer_attention_score_get_max_workspace", "npu_scatter_pa_kv_cache",
+                 "npu_rms_norm", "npu_add_rms_norm", "npu_swiglu", "npu_rotary_mul", "npu_mrope"):
+        setattr(torch_npu_module, name, traced(name, getattr(torch_npu_module, name)))
+    fia = torch_npu_module.npu_fused_infer_attention_score
+    type(fia).__call__ = _traced_method("npu_fused_infer_attention_score", type(fia).__call__)
+    fia.out = traced("npu_fused_infer_attention_score.out", fia.out)
+    for name in ("graph_task_group_begin", "graph_task_group_end", "graph_task_update_begin",
+                 "graph_task_update_end", "graph", "graph_pool_handle", "current_stream",
+                 "stream", "synchronize", "is_current_stream_capturing"):
+        setattr(npu_module, f"{name}", traced(f"npu.{name}", getattr(npu_module, name)))
+    event = npu_module.ExternalEvent
+    for name in ("wait", "reset", "record"):
+        method = getattr(event, name)
+        setattr(event, name, _traced_method(f"npu.ExternalEvent.{name}", method))
+    for cls, names in ((npu_module.NPUGraph, ("replay", "capture_begin", "capture_end")),
+                       (npu_module.Stream, ("synchronize",))):
+        for name in names:
+            setattr(cls, name, _traced_method(f"npu.{cls.__name__}.{name}", getattr(cls, name)))
+
+
+def _traced_method(name, method):
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        _log(name, args, kwargs)
+        return method(self, *args, **kwargs)
+
+    return call
