@@ -43,7 +43,10 @@ def max_tokens_for(family: str) -> int:
 def engine(model: str, **kwargs):
     from vllm import LLM
 
-    args = dict(dtype="bfloat16", max_model_len=512, seed=0, max_num_seqs=16)
+    # max_num_batched_tokens 512: the start-up profile run of a full batch stays short in bf16
+    # on a CPU (tests that need chunking set less).
+    args = dict(dtype="bfloat16", max_model_len=512, max_num_batched_tokens=512, seed=0,
+                max_num_seqs=16)
     args.update(kwargs)
     llm = LLM(model, **args)
     try:
