@@ -6,7 +6,7 @@ from vllm.config import VllmConfig, set_current_vllm_config
 
 from vllm_ascend.ops.qkv import STEP_ROPE, split_qkv_norm_rope, split_qkv_norm_rope_reference
 
-TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
 @pytest.fixture(autouse=True)
@@ -64,6 +64,16 @@ def test_rotary_embedding(dtype, neox, rotary_dim):
     close(fk, rk, dtype)
 
 
+def close_to_truth(low, truth, dtype, units=2):
+    """``low`` within ``units`` roundings of ``dtype`` of the fp32 ``truth``, relative to the
+    largest operand: a rotation's cancellation leaves an error of the largest term's rounding on
+    a small result. (Upstream's own unfused sequence in ``dtype`` stays within 0.8 of them over
+    many random inputs; so does the fused op.)"""
+    eps = torch.finfo(dtype).eps
+    scale = max(1.0, truth.abs().max().item())
+    torch.testing.assert_close(low.float(), truth, atol=units * eps * scale, rtol=units * eps)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("heads,kv_heads,tokens", [(8, 2, 1), (8, 2, 13), (4, 4, 6)])
@@ -73,13 +83,14 @@ def test_split_qkv_norm_rope_with_step_cos_sin(dtype, qk_norm, heads, kv_heads, 
     from vllm_ascend.ops.layernorm import AscendRMSNorm
 
     head = 32
-    rope = make_rope(head, rotary_dim, neox, dtype)
-    norms = (None, None)
+    rope, rope32 = (make_rope(head, rotary_dim, neox, d) for d in (dtype, torch.float32))
+    norms = norms32 = (None, None)
     if qk_norm:
-        norms = (AscendRMSNorm(head, eps=1e-6, dtype=dtype),
-                 AscendRMSNorm(head, eps=1e-6, dtype=dtype))
-        for n in norms:
+        norms = tuple(AscendRMSNorm(head, eps=1e-6, dtype=dtype) for _ in range(2))
+        norms32 = tuple(AscendRMSNorm(head, eps=1e-6, dtype=torch.float32) for _ in range(2))
+        for n, n32 in zip(norms, norms32):
             n.weight.data.normal_()
+            n32.weight.data.copy_(n.weight.float())
     q_size, kv_size = heads * head, kv_heads * head
     qkv = torch.randn(tokens, q_size + 2 * kv_size, dtype=dtype)
     pos = torch.randint(0, 256, (tokens,))
@@ -87,10 +98,11 @@ def test_split_qkv_norm_rope_with_step_cos_sin(dtype, qk_norm, heads, kv_heads, 
     STEP_ROPE.attach(rope, 64, dtype)
     STEP_ROPE.update(pos)  # once per step, before the forward
     fused = split_qkv_norm_rope(qkv, q_size, kv_size, head, *norms)
-    ref = split_qkv_norm_rope_reference(qkv.clone(), q_size, kv_size, head, pos, rope, *norms)
-    for a, b in zip(fused, ref):
-        assert a.shape == b.shape and a.dtype == b.dtype
-        close(a, b, dtype)
+    # The unfused sequence upstream runs, in fp32 on the same (low-precision) inputs.
+    truth = split_qkv_norm_rope_reference(qkv.float(), q_size, kv_size, head, pos, rope32,
+                                          *norms32)
+    for a, b in zip(fused, truth):
+        assert a.shape == b.shape and a.dtype == dtype
+        close_to_truth(a, b, dtype)
     assert fused[0].is_contiguous() and fused[1].is_contiguous()  # as FIA and the KV write need
     STEP_ROPE.reset()
-
