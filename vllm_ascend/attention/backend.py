@@ -170,12 +170,8 @@ class AscendAttentionImpl(AttentionImpl):
         torch_npu.npu_fused_infer_attention_score.out(
             query=query, **fia_args, workspace=workspace, out=[out, softmax_lse])
         handle = torch_npu.npu.graph_task_group_end(stream)
-        GRAPH_PARAMS.record(FIACall(
-            handle=handle, event=event, query=query, key=fia_args["key"],
-            value=fia_args["value"], block_table=fia_args["block_table"],
-            atten_mask=fia_args["atten_mask"], block_size=fia_args["block_size"],
-            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, scale=self.scale,
-            workspace=workspace, out=out, softmax_lse=softmax_lse))
+        GRAPH_PARAMS.record(FIACall(handle=handle, event=event, query=query, args=fia_args,
+                                    workspace=workspace, out=out, softmax_lse=softmax_lse))
 
 
 class AscendAttentionBackend(AttentionBackend):

@@ -18,17 +18,10 @@ from vllm_ascend.device import torch_npu
 
 @dataclasses.dataclass
 class FIACall:
-    handle: Any
-    event: Any
+    handle: Any  # the task group of the captured .out call
+    event: Any  # the ExternalEvent the call waits on
     query: torch.Tensor
-    key: torch.Tensor  # BnBsH view of the layer's K cache
-    value: torch.Tensor
-    block_table: torch.Tensor
-    atten_mask: torch.Tensor
-    block_size: int
-    num_heads: int
-    num_kv_heads: int
-    scale: float
+    args: dict  # the captured call's other keyword arguments (caches, mask, lists, heads, ...)
     workspace: torch.Tensor
     out: torch.Tensor
     softmax_lse: torch.Tensor
@@ -66,14 +59,12 @@ class GraphParams:
         with torch_npu.npu.stream(stream):
             for c in self.calls[key]:
                 torch_npu.npu.graph_task_update_begin(stream, c.handle)
+                # The captured call, with this step's host lists and block table.
+                args = dict(c.args, block_table=metadata.block_table,
+                            actual_seq_lengths=metadata.actual_seq_lengths_q,
+                            actual_seq_lengths_kv=metadata.seq_lens_list)
                 torch_npu.npu_fused_infer_attention_score.out(
-                    query=c.query, key=c.key, value=c.value, atten_mask=c.atten_mask,
-                    block_table=metadata.block_table, input_layout="TND",
-                    block_size=c.block_size, actual_seq_lengths=metadata.actual_seq_lengths_q,
-                    actual_seq_lengths_kv=metadata.seq_lens_list,
-                    num_key_value_heads=c.num_kv_heads, num_heads=c.num_heads, scale=c.scale,
-                    sparse_mode=3, pre_tokens=2147483647, next_tokens=2147483647,
-                    workspace=c.workspace, out=[c.out, c.softmax_lse])
+                    query=c.query, **args, workspace=c.workspace, out=[c.out, c.softmax_lse])
                 torch_npu.npu.graph_task_update_end(stream)
                 c.event.record(stream)
 

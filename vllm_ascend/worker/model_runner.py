@@ -23,17 +23,15 @@ from vllm_ascend.ops.qkv import STEP_ROPE
 logger = get_logger(__name__)
 
 
-@contextlib.contextmanager
-def torch_cuda_as_npu():
+def point_torch_cuda_at_npu() -> None:
     """vLLM's runner creates torch.cuda streams and events (in __init__, and later for async
-    outputs): point torch.cuda at torch.npu, as upstream vllm-ascend does. The swap stays after
-    the block, because the runner keeps creating events after its construction."""
+    outputs): point torch.cuda at torch.npu, as upstream vllm-ascend does, for good (the runner
+    keeps creating events after its construction)."""
     npu = torch_npu.npu
     torch.Event = npu.Event
     for name in ("Event", "Stream", "default_stream", "current_stream", "stream",
                  "synchronize", "mem_get_info", "is_current_stream_capturing"):
         setattr(torch.cuda, name, getattr(npu, name))
-    yield
 
 
 class FIAGraphHooks(GraphHooks):
@@ -56,8 +54,8 @@ class FIAGraphHooks(GraphHooks):
 
 class NPUModelRunner(GPUModelRunner):
     def __init__(self, vllm_config, device_: torch.device):
-        with torch_cuda_as_npu():
-            super().__init__(vllm_config, device_)
+        point_torch_cuda_at_npu()
+        super().__init__(vllm_config, device_)
 
     def load_model(self, load_dummy_weights: bool = False) -> None:
         super().load_model(load_dummy_weights=load_dummy_weights)

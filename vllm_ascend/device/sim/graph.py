@@ -107,10 +107,17 @@ class _Wait:
         self.event = event
 
 
+class _HostCall:
+    """A host-side graph node (an ExternalEvent reset): replay calls ``fn()`` here."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+
 class _Recorder(TorchDispatchMode):
     def __init__(self):
         super().__init__()
-        self.nodes: list = []  # _Node, _Wait, or (callable, args) for host-side graph nodes
+        self.nodes: list = []  # _Node, _Wait or _HostCall
         self.group = None  # the open task group's id, if any
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -225,7 +232,6 @@ class SimGraph:
         self.segments: list = []  # [(calls, wait event or None)]
         self._group_calls: dict[int, list] = {}  # task group -> [(segment, index)]
         self.scratch_bytes = 0
-        self._resume_at: int | None = None  # segment index a blocked replay resumes from
 
     # -- capture ------------------------------------------------------------------------------
     def begin(self) -> None:
@@ -254,16 +260,11 @@ class SimGraph:
         del recorder
         self._freeze(nodes, pool)
 
-    @property
-    def capturing(self) -> bool:
-        return self._recorder is not None
-
     def record_wait(self, event) -> None:
         self._recorder.nodes.append(_Wait(event))
 
     def record_host_call(self, fn) -> None:
-        """A host-side graph node (an event reset): replay calls ``fn()`` at this point."""
-        self._recorder.nodes.append((fn, ()))
+        self._recorder.nodes.append(_HostCall(fn))
 
     def task_group_begin(self) -> None:
         if self._recorder.group is not None:
@@ -327,8 +328,8 @@ class SimGraph:
                     segments.append((calls, entry.event))
                     calls = []
                     continue
-                if isinstance(entry, tuple) and len(entry) == 2:
-                    calls.append((entry[0], (), {}, None))
+                if isinstance(entry, _HostCall):
+                    calls.append((entry.fn, (), {}, None))
                     continue
                 kind, func, args, kwargs, outs, group = entry
                 if kind == "view" or (kind == "compute" and func in _NO_REPLAY):
@@ -419,9 +420,6 @@ class SimGraph:
         except Exception:
             pass
 
-    @property
-    def num_ops(self) -> int:
-        return sum(len(calls) for calls, _ in self.segments)
 
 
 def _to_slots(nodes: list):

@@ -46,7 +46,6 @@ class Stream:
 
     def __init__(self, device=None, priority=0, **kwargs):
         self.device = torch.device("cpu")
-        self.priority = priority
         self.capturing: "_graph.SimGraph | None" = None  # the graph capturing on this stream
         self.update_handle = None  # the task group an update is open for
         self.update_issued = False
@@ -56,17 +55,6 @@ class Stream:
 
     def wait_stream(self, stream) -> None:
         pass
-
-    def wait_event(self, event) -> None:
-        pass
-
-    def record_event(self, event=None):
-        event = event or Event()
-        event.record(self)
-        return event
-
-    def query(self) -> bool:
-        return not _WAITING
 
     def __repr__(self):
         return f"<sim npu Stream {id(self):#x}>"
@@ -99,10 +87,6 @@ def stream(s: "Stream | None"):
         yield
     finally:
         _STREAMS.stack.pop()
-
-
-def set_stream(s: Stream) -> None:
-    _STREAMS.stack[-1] = s
 
 
 def synchronize(device=None) -> None:
@@ -415,18 +399,6 @@ def issue_task_update(func, args: tuple, kwargs: dict) -> None:
 
 # -- device facts -----------------------------------------------------------------------------
 
-def is_available() -> bool:
-    return True
-
-
-def device_count() -> int:
-    return 1
-
-
-def current_device() -> int:
-    return 0
-
-
 def set_device(device) -> None:
     pass
 
@@ -460,11 +432,3 @@ def memory_allocated(device=None) -> int:
 def mem_get_info(device=None) -> tuple[int, int]:
     total = total_memory()
     return max(total - memory_allocated(), 0), total
-
-
-def empty_cache() -> None:
-    pass
-
-
-def host_empty_cache() -> None:
-    pass

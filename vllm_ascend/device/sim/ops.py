@@ -246,12 +246,12 @@ def _fia_impl(query, key, value, *, atten_mask=None, actual_seq_lengths=None,
               pre_tokens=INT32_MAX, next_tokens=INT32_MAX, input_layout="BSH",
               num_key_value_heads=0, sparse_mode=0, inner_precise=0, block_size=0,
               softmax_lse_flag=False):
+    if softmax_lse_flag:
+        raise _fia_error(TILING_ERROR, "softmax_lse_flag=True is not simulated")
     out = torch.zeros_like(query)
     fia_kernel(query, key, value, atten_mask, actual_seq_lengths, actual_seq_lengths_kv,
                block_table, num_heads, scale, pre_tokens, next_tokens, input_layout,
                num_key_value_heads, sparse_mode, block_size, out)
-    if softmax_lse_flag:
-        raise _fia_error(TILING_ERROR, "softmax_lse_flag=True is not simulated")
     # With the flag off the op returns an empty float32 lse (OpApi.cpp:356).
     return out, torch.empty(0, dtype=torch.float32, device=query.device)
 
