@@ -1,5 +1,6 @@
 """Shared e2e machinery: engines on the simulator, HF transformers references, comparisons."""
 
+import collections
 import contextlib
 import functools
 import gc
@@ -55,6 +56,59 @@ def engine(model: str, **kwargs):
         llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
+
+
+def graph_counts(llm) -> dict:
+    """This engine's graphs (its runner's GraphState): captured and replayed per runtime mode,
+    and the device's streams in use."""
+    def probe(worker):
+        from vllm_ascend import device
+
+        counts = worker.model_runner.graph_state.counts()
+        return {**counts, "streams_in_use": device.current.streams_in_use()}
+
+    return llm.collective_rpc(probe)[0]
+
+
+@contextlib.contextmanager
+def replays(llm):
+    """Yields a dict that, at exit, holds the graph replays made inside the block ("replayed":
+    runtime mode -> count) and the steps the engine ran meanwhile ("steps": (scheduled tokens,
+    scheduled requests) per step, from the runner's record)."""
+    def mark(worker):
+        state = worker.model_runner.graph_state
+        state.recent_steps.clear()
+        return dict(state.replayed)
+
+    def read(worker):
+        state = worker.model_runner.graph_state
+        return dict(state.replayed), [(s.num_tokens, s.num_reqs) for s in state.recent_steps]
+
+    result: dict = {}
+    before = llm.collective_rpc(mark)[0]
+    yield result
+    after, steps = llm.collective_rpc(read)[0]
+    result["replayed"] = {m: n - before.get(m, 0) for m, n in after.items()
+                          if n != before.get(m, 0)}
+    result["steps"] = [tuple(step) for step in steps]  # (the RPC returns lists)
+
+
+def expected_replays(mode: str, steps, num_layers: int, max_size: int) -> dict:
+    """The replays ``steps`` must make in ``mode``, by vLLM's dispatch rules (not the runner's
+    record of them): a step runs graphs when its tokens fit the largest capture size; it is a
+    uniform decode step when it has one token per request; PIECEWISE replays a graph per piece
+    (layers + 1)."""
+    counts: collections.Counter = collections.Counter()
+    for tokens, reqs in steps:
+        if tokens > max_size:
+            continue
+        full = mode == "FULL" or (tokens == reqs and mode in ("FULL_DECODE_ONLY",
+                                                             "FULL_AND_PIECEWISE"))
+        if full:
+            counts["FULL"] += 1
+        elif mode in ("PIECEWISE", "FULL_AND_PIECEWISE"):
+            counts["PIECEWISE"] += num_layers + 1
+    return dict(counts)
 
 
 def vllm_greedy(llm, prompts, max_tokens, **kwargs):

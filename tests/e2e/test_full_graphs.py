@@ -9,10 +9,11 @@ import pytest
 from vllm import SamplingParams
 
 from tests.conftest import ROOT
-from tests.e2e.conftest import check_logprobs_close, engine, hf_greedy, model_path, vllm_greedy
-from tests.e2e.test_graph_modes import graph_stats
+from tests.e2e.conftest import (check_logprobs_close, engine, expected_replays, hf_greedy,
+                                model_path, replays, vllm_greedy)
 
 FAMILY = "llama"
+LAYERS = 2  # the tiny models'
 
 
 def words(n, seed):
@@ -20,9 +21,14 @@ def words(n, seed):
     return " ".join(pool[(i * 5 + seed) % len(pool)] for i in range(n))
 
 
-def equal_hf(llm, prompts, n, label):
-    for prompt, out in zip(prompts, vllm_greedy(llm, prompts, n)):
+def equal_hf(llm, prompts, n, label, mode, max_size) -> dict:
+    """Greedy output close to HF's, and exactly the replays the steps call for."""
+    with replays(llm) as made:
+        outs = vllm_greedy(llm, prompts, n)
+    for prompt, out in zip(prompts, outs):
         check_logprobs_close(hf_greedy(model_path(FAMILY), prompt, n), out, f"{label} {prompt[:30]!r}")
+    assert made["replayed"] == expected_replays(mode, made["steps"], LAYERS, max_size), made
+    return made
 
 
 @pytest.fixture(scope="module")
@@ -37,15 +43,17 @@ def full_llm():
 
 
 def test_mixed_prefill_and_decode_steps_replay_full_graphs(full_llm):
-    before = graph_stats(full_llm)["replayed"].get("FULL", 0)
     prompts = [words(3, 1), words(90, 2), words(5, 3)]
-    equal_hf(full_llm, prompts, 12, "FULL mixed")
-    assert graph_stats(full_llm)["replayed"]["FULL"] - before >= 12
+    made = equal_hf(full_llm, prompts, 12, "FULL mixed", "FULL", 32)
+    # Every step fits the largest graph, so every step, mixed ones included, replays one.
+    assert made["replayed"] == {"FULL": len(made["steps"])}
+    assert any(tokens > reqs for tokens, reqs in made["steps"][1:]), "no mixed step"
 
 
 def test_full_batch_of_different_lengths(full_llm):
     prompts = [words(n, n) for n in (1, 2, 3, 4, 5, 6, 7, 8)]  # num_reqs == max_num_seqs
-    equal_hf(full_llm, prompts, 10, "FULL full batch")
+    made = equal_hf(full_llm, prompts, 10, "FULL full batch", "FULL", 32)
+    assert (8, 8) in made["steps"]  # a full batch of decodes: the dummy request has no row
 
 
 def test_chunked_prefill_and_prefix_caching_under_full_and_piecewise():
@@ -54,13 +62,13 @@ def test_chunked_prefill_and_prefix_caching_under_full_and_piecewise():
                     "cudagraph_mode": "FULL_AND_PIECEWISE",
                     "cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64]}) as llm:
         long_prompt = words(300, 4)  # > 2 blocks: chunked, then cached
-        equal_hf(llm, [long_prompt, words(4, 5)], 10, "F&P chunked")
+        made = equal_hf(llm, [long_prompt, words(4, 5)], 10, "F&P chunked",
+                        "FULL_AND_PIECEWISE", 64)
+        assert made["replayed"].get("FULL") and made["replayed"].get("PIECEWISE")
         again = llm.generate([long_prompt], SamplingParams(max_tokens=10, temperature=0,
                                                           ignore_eos=True), use_tqdm=False)[0]
         assert again.num_cached_tokens >= 256
-        equal_hf(llm, [long_prompt], 10, "F&P prefix-cached")
-        stats = graph_stats(llm)["replayed"]
-        assert stats.get("FULL", 0) > 0 and stats.get("PIECEWISE", 0) > 0
+        equal_hf(llm, [long_prompt], 10, "F&P prefix-cached", "FULL_AND_PIECEWISE", 64)
 
 
 def skip_fia_update(record_events: bool):
@@ -68,14 +76,14 @@ def skip_fia_update(record_events: bool):
     updates of their attention lengths (recording each layer's event, or not even that)."""
 
     def install(worker):
-        from vllm_ascend.attention.graph_params import GRAPH_PARAMS
+        fia = worker.model_runner.graph_state.fia
 
         def no_update(key, metadata):
             if record_events:
-                for call in GRAPH_PARAMS.calls[key]:
+                for call in fia.calls[key]:
                     call.event.record()
 
-        GRAPH_PARAMS.update = no_update
+        fia.update = no_update
 
     return install
 
@@ -93,8 +101,9 @@ def test_without_the_fia_update_full_graphs_replay_stale_lengths(decode_only_llm
     with the update (the tests above) they are close to HF."""
     prompt = words(6, 7)
     decode_only_llm.collective_rpc(skip_fia_update(record_events=True))
-    got = vllm_greedy(decode_only_llm, [prompt], 12)[0]
-    assert graph_stats(decode_only_llm)["replayed"]["FULL"] >= 10
+    with replays(decode_only_llm) as made:
+        got = vllm_greedy(decode_only_llm, [prompt], 12)[0]
+    assert made["replayed"] == {"FULL": 11}  # one prefill, then 11 decodes in FULL graphs
     with pytest.raises(AssertionError, match="not in each other's top"):
         check_logprobs_close(hf_greedy(model_path(FAMILY), prompt, 12), got, "stale lengths")
 

@@ -1,12 +1,12 @@
 """A deliberately small stream budget: start-up captures exactly the sizes the budget function
-keeps; forcing every size instead fails capture with 207008 and the advice."""
+keeps; a budget the device does not have fails capture with 207008 and the advice."""
 
 
 import pytest
 from vllm.config import CUDAGraphMode
 
-from tests.e2e.conftest import check_logprobs_close, engine, hf_greedy, model_path, vllm_greedy
-from tests.e2e.test_graph_modes import graph_stats
+from tests.e2e.conftest import (check_logprobs_close, engine, graph_counts, hf_greedy,
+                                model_path, replays, vllm_greedy)
 from vllm_ascend.compilation.capture_sizes import plan_capture_sizes
 
 SIZES = [1, 2, 4, 8, 16]
@@ -20,7 +20,7 @@ def small_budget(monkeypatch):
 
 def start(**extra):
     return engine(model_path("llama"), max_num_seqs=16, additional_config={
-        "graph_stream_reserve": 0, **extra}, compilation_config={
+        "graph_stream_total": STREAMS, "graph_stream_reserve": 0, **extra}, compilation_config={
         "cudagraph_mode": "PIECEWISE", "cudagraph_capture_sizes": SIZES})
 
 
@@ -30,16 +30,22 @@ def test_small_budget_captures_exactly_the_kept_sizes(small_budget):
     assert plan.kept == [1, 4, 16] and plan.streams_needed == 9
     with start() as llm:
         assert llm.llm_engine.vllm_config.compilation_config.cudagraph_capture_sizes == plan.kept
-        stats = graph_stats(llm)
-        assert stats["captured"] == {"PIECEWISE": plan.streams_needed}
-        assert stats["streams_in_use"] == plan.streams_needed
+        counts = graph_counts(llm)
+        assert counts["captured"] == {"PIECEWISE": plan.streams_needed}
+        assert counts["streams_in_use"] == plan.streams_needed
         prompt = "The capital of France is"
-        check_logprobs_close(hf_greedy(model_path("llama"), prompt, 8), vllm_greedy(llm, [prompt], 8)[0])
+        with replays(llm) as made:
+            out = vllm_greedy(llm, [prompt], 8)[0]
+        check_logprobs_close(hf_greedy(model_path("llama"), prompt, 8), out)
+        # 8 steps (the prefill fits the size-16 graph too), 3 pieces each
+        assert made["replayed"] == {"PIECEWISE": 8 * 3}
 
 
-def test_forcing_every_size_fails_capture_with_207008_and_advice(small_budget, capfd):
+def test_a_budget_the_device_does_not_have_fails_capture_with_207008_and_advice(small_budget,
+                                                                                capfd):
+    # The plan trusts a configured total of 100 streams; the device has 10.
     with pytest.raises(RuntimeError):
-        with start(graph_stream_budget_check=False):
+        with start(graph_stream_total=100):
             pass
     err = capfd.readouterr().err
     assert "207008" in err and "stream resources are insufficient" in err

@@ -4,7 +4,7 @@ import pytest
 import torch
 from vllm.config import VllmConfig, set_current_vllm_config
 
-from vllm_ascend.ops.qkv import STEP_ROPE, split_qkv_norm_rope, split_qkv_norm_rope_reference
+from vllm_ascend.ops.qkv import StepRope, split_qkv_norm_rope, split_qkv_norm_rope_reference
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
@@ -94,10 +94,10 @@ def test_split_qkv_norm_rope_with_step_cos_sin(dtype, qk_norm, heads, kv_heads, 
     q_size, kv_size = heads * head, kv_heads * head
     qkv = torch.randn(tokens, q_size + 2 * kv_size, dtype=dtype)
     pos = torch.randint(0, 256, (tokens,))
-    STEP_ROPE.reset()
-    STEP_ROPE.attach(rope, 64, dtype)
-    STEP_ROPE.update(pos)  # once per step, before the forward
-    fused = split_qkv_norm_rope(qkv, q_size, kv_size, head, *norms)
+    step_rope = StepRope()
+    step_rope.attach(rope, 64, dtype)
+    step_rope.update(pos)  # once per step, before the forward
+    fused = split_qkv_norm_rope(qkv, q_size, kv_size, head, step_rope, *norms)
     # The unfused sequence upstream runs, in fp32 on the same (low-precision) inputs.
     truth = split_qkv_norm_rope_reference(qkv.float(), q_size, kv_size, head, pos, rope32,
                                           *norms32)
@@ -105,4 +105,3 @@ def test_split_qkv_norm_rope_with_step_cos_sin(dtype, qk_norm, heads, kv_heads, 
         assert a.shape == b.shape and a.dtype == dtype
         close_to_truth(a, b, dtype)
     assert fused[0].is_contiguous() and fused[1].is_contiguous()  # as FIA and the KV write need
-    STEP_ROPE.reset()

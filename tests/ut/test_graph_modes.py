@@ -7,30 +7,34 @@ from vllm.v1.attention.backend import AttentionCGSupport as S
 from vllm_ascend.compilation.modes import GraphModeError, ModelKind, resolve_graph_mode
 
 D, P = ModelKind.DECODER, ModelKind.POOLING
+CONFIGURED = "as configured"
+NO_FULL = "the attention backend cannot run inside a FULL graph"
+DECODE_FULL = "the attention backend runs only decode batches inside FULL graphs"
+POOLING = "a pooling model has no decode steps"
 TABLE = [
-    # requested, support, enforce_eager, kind, expected
-    (None, S.ALWAYS, False, D, M.FULL_AND_PIECEWISE),  # the default, as upstream
-    (M.FULL_AND_PIECEWISE, S.ALWAYS, True, D, M.NONE),  # enforce_eager wins
-    (M.PIECEWISE, S.ALWAYS, False, D, M.PIECEWISE),
-    (M.FULL, S.ALWAYS, False, D, M.FULL),
-    (M.FULL_DECODE_ONLY, S.ALWAYS, False, D, M.FULL_DECODE_ONLY),
-    (M.NONE, S.ALWAYS, False, D, M.NONE),
-    (M.FULL, S.UNIFORM_BATCH, False, D, M.FULL_AND_PIECEWISE),  # mixed batches stay piecewise
-    (M.FULL_DECODE_ONLY, S.UNIFORM_BATCH, False, D, M.FULL_DECODE_ONLY),
-    (M.FULL_AND_PIECEWISE, S.NEVER, False, D, M.PIECEWISE),  # attention can't be in a graph
-    (M.FULL, S.NEVER, False, D, M.PIECEWISE),
-    (M.FULL_DECODE_ONLY, S.NEVER, False, D, M.NONE),
-    (M.FULL_DECODE_ONLY, S.ALWAYS, False, P, M.NONE),  # pooling: no decode steps
-    (M.FULL_AND_PIECEWISE, S.ALWAYS, False, P, M.PIECEWISE),
-    (M.FULL, S.ALWAYS, False, P, M.FULL),
+    # requested, support, enforce_eager, kind, expected, the reason the log gives
+    (None, S.ALWAYS, False, D, M.FULL_AND_PIECEWISE, "the default"),  # as upstream
+    (M.FULL_AND_PIECEWISE, S.ALWAYS, True, D, M.NONE, "enforce_eager is set"),
+    (M.PIECEWISE, S.ALWAYS, False, D, M.PIECEWISE, CONFIGURED),
+    (M.FULL, S.ALWAYS, False, D, M.FULL, CONFIGURED),
+    (M.FULL_DECODE_ONLY, S.ALWAYS, False, D, M.FULL_DECODE_ONLY, CONFIGURED),
+    (M.NONE, S.ALWAYS, False, D, M.NONE, CONFIGURED),
+    (M.FULL, S.UNIFORM_BATCH, False, D, M.FULL_AND_PIECEWISE, DECODE_FULL),
+    (M.FULL_DECODE_ONLY, S.UNIFORM_BATCH, False, D, M.FULL_DECODE_ONLY, CONFIGURED),
+    (M.FULL_AND_PIECEWISE, S.NEVER, False, D, M.PIECEWISE, NO_FULL),
+    (M.FULL, S.NEVER, False, D, M.PIECEWISE, NO_FULL),
+    (M.FULL_DECODE_ONLY, S.NEVER, False, D, M.NONE, NO_FULL),
+    (M.FULL_DECODE_ONLY, S.ALWAYS, False, P, M.NONE, POOLING),
+    (M.FULL_AND_PIECEWISE, S.ALWAYS, False, P, M.PIECEWISE, POOLING),
+    (M.FULL, S.ALWAYS, False, P, M.FULL, CONFIGURED),
 ]
 
 
-@pytest.mark.parametrize("requested,support,eager,kind,expected", TABLE)
-def test_effective_mode(requested, support, eager, kind, expected):
+@pytest.mark.parametrize("requested,support,eager,kind,expected,reason", TABLE)
+def test_effective_mode(requested, support, eager, kind, expected, reason):
     mode, why = resolve_graph_mode(requested, support, eager, kind)
     assert mode == expected
-    assert why  # every decision carries its reason for the log
+    assert reason in why  # the log line says why this mode is in effect
 
 
 def test_without_piecewise_compilation():

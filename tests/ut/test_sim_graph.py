@@ -109,14 +109,18 @@ def test_graphs_share_one_pool_sized_by_the_largest_and_keep_their_outputs():
         torch.testing.assert_close(out, mlp(xs[n], w, []))
 
 
-def test_graph_wrapper_refuses_inputs_at_other_addresses():
+def test_graph_wrapper_refuses_inputs_at_other_addresses_counts_and_releases():
     from vllm.compilation.monitor import set_cudagraph_capturing_enabled
     from vllm.config import CUDAGraphMode, VllmConfig
     from vllm.forward_context import BatchDescriptor, set_forward_context
 
-    from vllm_ascend.compilation.acl_graph import ACLGraphWrapper
+    from vllm_ascend import device
+    from vllm_ascend.compilation.acl_graph import GRAPH_STATE, ACLGraphWrapper, GraphState
 
     config = VllmConfig()
+    state = GraphState()  # the runner's, registered where the engine's wrappers find it
+    config.compilation_config.static_forward_context[GRAPH_STATE] = state
+    streams = device.current.streams_in_use()
     w = torch.randn(8, 8)
     wrapper = ACLGraphWrapper(lambda x: x @ w, config, CUDAGraphMode.PIECEWISE)
     x = torch.randn(2, 8)
@@ -129,7 +133,19 @@ def test_graph_wrapper_refuses_inputs_at_other_addresses():
         assert wrapper(x) is out
         with pytest.raises(RuntimeError, match="inputs at other addresses"):
             wrapper(x.clone())
-    wrapper.clear_graphs()
+    assert state.counts() == {"captured": {"PIECEWISE": 1}, "replayed": {"PIECEWISE": 2}}
+    assert device.current.streams_in_use() == streams + 1
+    state.release()  # the engine's shutdown: its graphs and their streams go
+    assert device.current.streams_in_use() == streams and not wrapper.entries
+
+
+def test_a_wrapper_without_the_runners_graph_state_is_a_clear_error():
+    from vllm.config import CUDAGraphMode, VllmConfig
+
+    from vllm_ascend.compilation.acl_graph import ACLGraphWrapper
+
+    with pytest.raises(RuntimeError, match="need vllm-ascend's NPUModelRunner"):
+        ACLGraphWrapper(lambda x: x, VllmConfig(), CUDAGraphMode.PIECEWISE)
 
 
 # -- FIA in a graph: frozen host lists, task updates, ExternalEvents ------------------------------

@@ -1,7 +1,8 @@
 """AscendAttentionBackend: vLLM attention on the fused infer attention operator (FIA).
 
 Metadata carries what FIA takes: cumulative query lengths and per-request KV lengths as *host
-lists*, an int32 block table, the int8 causal mask and the int32 slot mapping. Each layer's KV
+lists*, an int32 block table and the int8 causal mask (the KV write takes vLLM's int32 slot
+mapping from the forward context). Each layer's KV
 cache is one [2, num_blocks, block_size, num_kv_heads, head_size] tensor whose halves are the
 separate, contiguous K and V caches FIA reads as [num_blocks, block_size, H] (BnBsH) views.
 """
@@ -19,10 +20,12 @@ from vllm.v1.attention.backend import (
     CommonAttentionMetadata,
     MultipleOf,
 )
+from vllm.forward_context import get_forward_context
 from vllm.v1.attention.backends.registry import register_backend
 from vllm.v1.kv_cache_interface import KVCacheLayout
 
-from vllm_ascend.attention.graph_params import GRAPH_PARAMS, FIACall, pad_for_graph
+from vllm_ascend.attention.graph_params import FIACall
+from vllm_ascend.compilation.acl_graph import GRAPH_STATE
 from vllm_ascend.device import torch_npu
 
 BACKEND_NAME = "ASCEND"
@@ -33,12 +36,10 @@ NO_BAND = 2147483647  # pre_tokens/next_tokens: no band limit (passed explicitly
 
 @dataclass
 class AscendMetadata:
-    num_actual_tokens: int  # real tokens; the input may be padded beyond this
-    num_reqs: int
+    num_actual_tokens: int  # tokens attention runs on (a FULL step: the graph's size)
     actual_seq_lengths_q: list[int]  # cumulative query lengths (host), FIA's actual_seq_lengths
     seq_lens_list: list[int]  # per-request KV lengths (host), FIA's actual_seq_lengths_kv
     block_table: torch.Tensor  # int32 [len(actual_seq_lengths_q), max_blocks_per_req]
-    slot_mapping: torch.Tensor  # int32 [num_tokens], -1 for tokens that write no KV
     atten_mask: torch.Tensor  # the int8 2048x2048 causal mask (1 = masked)
 
 
@@ -48,8 +49,11 @@ def kv_caches_of(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class AscendAttentionMetadataBuilder(AttentionMetadataBuilder[AscendMetadata]):
+    """FIA's metadata from vLLM's. In a FULL step the runner has already padded the requests
+    (worker/padding.py): every request here, fake or dummy included, is one FIA sees."""
+
     # FIA runs inside FULL graphs for any batch: its host lists are re-issued before each replay
-    # (graph_params.GraphParams.update) and the metadata is padded to the captured batch.
+    # (graph_params.GraphParams.update) and the runner pads the metadata to the captured batch.
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.ALWAYS
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device_):
@@ -58,37 +62,29 @@ class AscendAttentionMetadataBuilder(AttentionMetadataBuilder[AscendMetadata]):
         self.atten_mask = torch.triu(torch.ones(ATTEN_MASK_SIZE, ATTEN_MASK_SIZE),
                                      diagonal=1).to(torch.int8).to(device_)
         self._init_reorder_batch_threshold(1)
-        sched = vllm_config.scheduler_config
-        self.block_size = kv_cache_spec.block_size
-        self.max_blocks = -(-vllm_config.model_config.max_model_len // self.block_size)
-        # Block table rows for a full batch plus the dummy request (persistent: FULL graphs
-        # read it at its captured address).
-        self.block_table = torch.zeros(sched.max_num_seqs + 1, self.max_blocks,
-                                       dtype=torch.int32, device=device_)
+        max_blocks = -(-vllm_config.model_config.max_model_len // kv_cache_spec.block_size)
+        # Block table rows for a full batch plus the dummy request, which vLLM's table has no
+        # row for (persistent: FULL graphs read it at its captured address).
+        self.block_table = torch.zeros(vllm_config.scheduler_config.max_num_seqs + 1,
+                                       max_blocks, dtype=torch.int32, device=device_)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> AscendMetadata:
         cam = common_attn_metadata
-        num_reqs = cam.num_reqs  # padded to the graph's batch in FULL mode
-        qsl = cam.query_start_loc_cpu[: num_reqs + 1].tolist()
-        q_lens = [b - a for a, b in zip(qsl, qsl[1:])]
-        seq_lens = cam.seq_lens_cpu_upper_bound
-        seq_lens = (seq_lens if seq_lens is not None else cam.seq_lens)[:num_reqs].tolist()
-        # Scheduled requests have tokens; the runner's graph padding appends empty ones.
-        num_real = next((i for i, q in enumerate(q_lens) if q == 0), num_reqs)
-        cu_q, kv_lens = pad_for_graph(q_lens, seq_lens, num_real, cam.num_actual_tokens,
-                                      self.max_blocks * self.block_size)
-        block_table = self.block_table[: num_reqs + 1]
-        block_table[:num_reqs].copy_(cam.block_table_tensor[:num_reqs])
-        block_table[num_reqs:].zero_()  # the dummy reads the null block
-        block_table[num_real:num_reqs].zero_()
+        n = cam.num_reqs
+        # Host lengths: the runner's CPU copies. The KV lengths are exact (an upper bound only
+        # under asynchronous speculative decoding, which the platform turns off).
+        cu_q = cam.query_start_loc_cpu[1: n + 1].tolist()
+        kv_lens = cam.seq_lens_cpu_upper_bound[:n].tolist()
+        rows = min(n, cam.block_table_tensor.shape[0])
+        block_table = self.block_table[:n]
+        block_table[:rows].copy_(cam.block_table_tensor[:rows])
+        block_table[rows:].zero_()  # the dummy of a full batch reads the null block
         return AscendMetadata(
             num_actual_tokens=cam.num_actual_tokens,
-            num_reqs=num_reqs,
             actual_seq_lengths_q=cu_q,
             seq_lens_list=kv_lens,
             block_table=block_table,
-            slot_mapping=cam.slot_mapping,
             atten_mask=self.atten_mask,
         )
 
@@ -141,8 +137,8 @@ class AscendAttentionImpl(AttentionImpl):
             num_key_value_heads=self.num_kv_heads, num_heads=self.num_heads, scale=self.scale,
             sparse_mode=CAUSAL)
         if torch_npu.npu.is_current_stream_capturing():
-            # Inside a FULL graph: the query is not sliced (the metadata is padded to it).
-            n = attn_metadata.actual_seq_lengths_q[-1]
+            # Inside a FULL graph: the query is not sliced (the runner padded the metadata).
+            n = attn_metadata.num_actual_tokens
             self._capture_fia(query.view(n, self.num_heads, self.head_size),
                               output.view(n, self.num_heads, self.head_size), fia_args)
             return output
@@ -158,7 +154,8 @@ class AscendAttentionImpl(AttentionImpl):
         lengths, in a task group whose handle the update re-issues, after a wait on an
         ExternalEvent that each update records."""
         fia_args = dict(fia_args, pre_tokens=NO_BAND, next_tokens=NO_BAND)
-        workspace = GRAPH_PARAMS.workspace(
+        graph_params = get_forward_context().no_compile_layers[GRAPH_STATE].fia
+        workspace = graph_params.workspace(
             lambda: torch_npu._npu_fused_infer_attention_score_get_max_workspace(
                 query=query, **fia_args))
         softmax_lse = torch.empty(1, dtype=query.dtype, device=query.device)
@@ -170,7 +167,7 @@ class AscendAttentionImpl(AttentionImpl):
         torch_npu.npu_fused_infer_attention_score.out(
             query=query, **fia_args, workspace=workspace, out=[out, softmax_lse])
         handle = torch_npu.npu.graph_task_group_end(stream)
-        GRAPH_PARAMS.record(FIACall(handle=handle, event=event, query=query, args=fia_args,
+        graph_params.record(FIACall(handle=handle, event=event, query=query, args=fia_args,
                                     workspace=workspace, out=out, softmax_lse=softmax_lse))
 
 

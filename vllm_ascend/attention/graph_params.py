@@ -18,6 +18,8 @@ from vllm_ascend.device import torch_npu
 
 @dataclasses.dataclass
 class FIACall:
+    """A captured FIA call. Its tensors are non-owning references (the graph owns them), as
+    upstream keeps them through torch_npu._C._weak_ref_tensor."""
     handle: Any  # the task group of the captured .out call
     event: Any  # the ExternalEvent the call waits on
     query: torch.Tensor
@@ -26,8 +28,17 @@ class FIACall:
     out: torch.Tensor
     softmax_lse: torch.Tensor
 
+    def __post_init__(self):
+        weak = torch_npu._C._weak_ref_tensor
+        self.query, self.workspace = weak(self.query), weak(self.workspace)
+        self.out, self.softmax_lse = weak(self.out), weak(self.softmax_lse)
+        self.args = {k: weak(v) if isinstance(v, torch.Tensor) else v
+                     for k, v in self.args.items()}
+
 
 class GraphParams:
+    """The FIA calls of one engine's FULL graphs, per batch descriptor (GraphState.fia)."""
+
     def __init__(self):
         self.calls: dict[Any, list[FIACall]] = {}  # batch descriptor -> one per layer, in order
         self.workspaces: dict[Any, torch.Tensor] = {}
@@ -71,46 +82,4 @@ class GraphParams:
     def clear(self) -> None:
         self.calls.clear()
         self.workspaces.clear()
-
-
-GRAPH_PARAMS = GraphParams()
-
-
-def pad_for_graph(q_lens: list[int], kv_lens: list[int], num_real_reqs: int,
-                  num_tokens_padded: int, capacity: int, decode_query_len: int = 1):
-    """FIA lengths for a batch padded to a captured graph (a pure function).
-
-    ``q_lens``/``kv_lens`` cover the runner's padded requests (those after ``num_real_reqs``
-    have no tokens). FIA in TND needs the query's token count to equal the last cumulative
-    length, and a FULL graph needs the batch it was captured with. So: the padded requests
-    become whole fake decode requests, one more dummy request always follows them (so the batch
-    is the same at capture and replay), and any tokens left go to the dummy, then round the
-    fake requests, never past the block-table ``capacity``. A fake request attends to its own
-    tokens only (its KV length equals its query length); padded tokens write no KV.
-    Returns (cumulative query lengths, KV lengths), one entry longer than the inputs.
-    """
-    q = list(q_lens[:num_real_reqs]) + [0] * (len(q_lens) - num_real_reqs) + [0]
-    kv = list(kv_lens[:num_real_reqs]) + [0] * (len(q) - num_real_reqs)
-    pad = num_tokens_padded - sum(q_lens[:num_real_reqs])
-    if pad < 0:
-        raise ValueError(f"{sum(q_lens[:num_real_reqs])} tokens do not fit a graph of "
-                         f"{num_tokens_padded}")
-    fake = list(range(num_real_reqs, len(q)))
-    for i in fake[:-1]:
-        take = min(decode_query_len, pad, capacity)
-        q[i] += take
-        pad -= take
-    for i in [fake[-1]] + fake[:-1]:
-        take = min(capacity - q[i], pad)
-        q[i] += take
-        pad -= take
-    if pad:
-        raise ValueError(f"cannot place {pad} padding tokens: raise max_model_len or lower "
-                         "the capture sizes")
-    for i in fake:
-        kv[i] = q[i]
-    cu, total = [], 0
-    for n in q:
-        total += n
-        cu.append(total)
-    return cu, kv
+        self._stream = None

@@ -7,10 +7,11 @@ and passes through when the runtime mode is not its own. Unlike it, the input-ad
 always on: a replay reads its inputs at the captured addresses, whatever was passed.
 """
 
+import collections
 import dataclasses
 import weakref
 from contextlib import ExitStack
-from typing import Any, ClassVar
+from typing import Any
 from unittest.mock import patch
 
 import torch
@@ -18,9 +19,8 @@ from vllm.compilation.counter import compilation_counter
 from vllm.config import CUDAGraphMode, VllmConfig
 from vllm.forward_context import get_forward_context, is_forward_context_available
 from vllm.compilation.monitor import validate_cudagraph_capturing_enabled
-from vllm.platforms import current_platform
 
-from vllm_ascend import device
+from vllm_ascend.attention.graph_params import GraphParams
 from vllm_ascend.device import torch_npu
 from vllm_ascend.logger import get_logger
 
@@ -34,18 +34,45 @@ class GraphCaptureFailed(RuntimeError):
     pass
 
 
-@dataclasses.dataclass
-class GraphStats:
-    """Process-wide counts, for logs and tests."""
-    captured: dict = dataclasses.field(default_factory=dict)  # runtime mode name -> graphs
-    replayed: dict = dataclasses.field(default_factory=dict)  # runtime mode name -> replays
-
-    def as_dict(self) -> dict:
-        return {"captured": dict(self.captured), "replayed": dict(self.replayed),
-                "streams_in_use": device.current.streams_in_use()}
+GRAPH_STATE = "vllm_ascend.graph_state"  # its name in the engine's static forward context
 
 
-STATS = GraphStats()
+class GraphState:
+    """One engine's graphs, owned by its NPUModelRunner: their pool, the wrappers holding them,
+    the FIA calls FULL graphs re-issue, and how many graphs were captured and replayed.
+
+    It is registered by name in the engine's static forward context (the per-engine table where
+    vLLM's forward-pass objects find each other), so the wrappers and attention layers of one
+    engine find its state and no other engine's; ``release`` frees its graphs and their streams.
+    """
+
+    def __init__(self):
+        self.pool = torch_npu.npu.graph_pool_handle()  # captures run largest first
+        self.wrappers: weakref.WeakSet = weakref.WeakSet()
+        self.fia = GraphParams()
+        self.captured: collections.Counter = collections.Counter()  # runtime mode -> graphs
+        self.replayed: collections.Counter = collections.Counter()  # runtime mode -> replays
+        # The runner's padding decisions (worker/padding.StepPadding) of the latest steps, to
+        # check the replays against the schedule.
+        self.recent_steps: collections.deque = collections.deque(maxlen=1024)
+
+    @staticmethod
+    def of(vllm_config: VllmConfig) -> "GraphState":
+        state = vllm_config.compilation_config.static_forward_context.get(GRAPH_STATE)
+        if state is None:
+            raise RuntimeError("ACL graphs need vllm-ascend's NPUModelRunner, which owns their "
+                               "state; this engine has none (was the worker replaced?)")
+        return state
+
+    def counts(self) -> dict:
+        return {"captured": dict(self.captured), "replayed": dict(self.replayed)}
+
+    def release(self) -> None:
+        for wrapper in list(self.wrappers):
+            wrapper.clear_graphs()
+        self.wrappers.clear()
+        self.fia.clear()
+        self.pool = None
 
 
 class GraphHooks:
@@ -92,13 +119,6 @@ def capture_advice(error: Exception, runtime_mode: CUDAGraphMode) -> str:
 
 
 class ACLGraphWrapper:
-    _all_instances: ClassVar[weakref.WeakSet] = weakref.WeakSet()
-
-    @classmethod
-    def clear_all_graphs(cls) -> None:
-        for instance in list(cls._all_instances):
-            instance.clear_graphs()
-
     def __init__(self, runnable, vllm_config: VllmConfig, runtime_mode: CUDAGraphMode,
                  cudagraph_options=None, hooks: "GraphHooks | None" = None, **kwargs):
         assert runtime_mode != CUDAGraphMode.NONE
@@ -106,11 +126,10 @@ class ACLGraphWrapper:
         self.vllm_config = vllm_config
         self.runtime_mode = runtime_mode
         self.gc_disable = bool(cudagraph_options and cudagraph_options.gc_disable)
-        # One pool for every graph of the process, as upstream (captures run largest first).
-        self.graph_pool = current_platform.get_global_graph_pool()
+        self.state = GraphState.of(vllm_config)
+        self.state.wrappers.add(self)
         self.entries: dict = {}
         self.hooks = hooks or GraphHooks()
-        ACLGraphWrapper._all_instances.add(self)
 
     def __getattr__(self, key: str) -> Any:
         if key != "runnable" and hasattr(self.runnable, key):
@@ -148,7 +167,7 @@ class ACLGraphWrapper:
             torch_npu.npu.current_stream().synchronize()
         entry.graph.replay()
         self.hooks.after_replay(desc)
-        STATS.replayed[mode.name] = STATS.replayed.get(mode.name, 0) + 1
+        self.state.replayed[mode.name] += 1
         return entry.output
 
     def _capture(self, desc, args, kwargs):
@@ -159,7 +178,7 @@ class ACLGraphWrapper:
                 stack.enter_context(patch("gc.collect", lambda *a, **k: None))
             try:
                 self.hooks.capture_begin(desc)
-                with torch_npu.npu.graph(graph, pool=self.graph_pool):
+                with torch_npu.npu.graph(graph, pool=self.state.pool):
                     output = self.runnable(*args, **kwargs)
             except Exception as e:
                 if STREAM_EXHAUSTED in str(e):  # the chip's (and simulator's) error code
@@ -169,6 +188,5 @@ class ACLGraphWrapper:
                 self.hooks.capture_end()
         self.entries[desc] = _Entry(graph, weak_ref_tensors(output), _input_addresses(args))
         compilation_counter.num_cudagraph_captured += 1
-        name = self.runtime_mode.name
-        STATS.captured[name] = STATS.captured.get(name, 0) + 1
+        self.state.captured[self.runtime_mode.name] += 1
         return output

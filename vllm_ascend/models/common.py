@@ -2,24 +2,27 @@
 
 import torch
 
-from vllm_ascend.ops.qkv import STEP_ROPE, split_qkv_norm_rope
+from vllm_ascend.ops.qkv import StepRope, split_qkv_norm_rope
 
 
 def attach_step_rope(model: torch.nn.Module, vllm_config) -> None:
-    """Give the step's cos/sin buffers the model's rotary table (all layers share it)."""
+    """Give the model one set of step cos/sin buffers, made from its rotary table, which all its
+    attention layers share (``module.step_rope``; the runner fills it before each forward)."""
     max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
+    step_rope = StepRope()
     for module in model.modules():
         rope = getattr(module, "rotary_emb", None)
         if rope is not None and hasattr(rope, "cos_sin_cache"):
-            STEP_ROPE.attach(rope, max_tokens, vllm_config.model_config.dtype)
+            step_rope.attach(rope, max_tokens, vllm_config.model_config.dtype)
+            module.step_rope = step_rope
 
 
 def fused_attention_forward(attn, positions: torch.Tensor, hidden_states: torch.Tensor,
                             q_norm=None, k_norm=None) -> torch.Tensor:
     """qkv_proj -> fused split(+q/k norm)+RoPE -> attention -> o_proj."""
     qkv, _ = attn.qkv_proj(hidden_states)
-    q, k, v = split_qkv_norm_rope(qkv, attn.q_size, attn.kv_size, attn.head_dim, q_norm,
-                                  k_norm)
+    q, k, v = split_qkv_norm_rope(qkv, attn.q_size, attn.kv_size, attn.head_dim,
+                                  attn.step_rope, q_norm, k_norm)
     output, _ = attn.o_proj(attn.attn(q, k, v))
     return output
 

@@ -1,8 +1,9 @@
 """QKV split + q/k RMSNorm + RoPE as one fused op, with cos/sin gathered once per step.
 
-``StepRope`` holds static cos/sin buffers. The runner fills them from the step's positions before
-the forward (outside any graph), so every layer reads the same gathered rows instead of
-gathering per layer, and FULL graphs read them at their captured address.
+A model's ``StepRope`` holds static cos/sin buffers that its attention layers share. The runner
+fills them from the step's positions before the forward (outside any graph), so every layer
+reads the same gathered rows instead of gathering per layer, and graphs read them at their
+captured address.
 """
 
 import torch
@@ -53,11 +54,6 @@ class StepRope:
     def get(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cos[:, :n], self.sin[:, :n]
 
-    def reset(self) -> None:
-        self.cache = self.cos = self.sin = None
-
-
-STEP_ROPE = StepRope()
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mode: str) -> torch.Tensor:
@@ -69,13 +65,14 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mode: str) -> t
     return torch.cat((turned, x[..., rot:]), dim=-1)
 
 
-def split_qkv_norm_rope(qkv, q_size, kv_size, head_size, q_norm=None, k_norm=None):
+def split_qkv_norm_rope(qkv, q_size, kv_size, head_size, rope: StepRope, q_norm=None,
+                        k_norm=None):
     """(q, k, v) from a fused QKV projection: split, optional per-head q/k RMSNorm
-    (npu_rms_norm), RoPE (npu_rotary_mul) with the step's cos/sin. q and k come out
-    contiguous, [T, q_size] and [T, kv_size]."""
+    (npu_rms_norm), RoPE (npu_rotary_mul) with the step's cos/sin from ``rope``. q and k come
+    out contiguous, [T, q_size] and [T, kv_size]."""
     t = qkv.shape[0]
-    cos, sin = STEP_ROPE.get(t)
-    mode = "half" if STEP_ROPE.is_neox else "interleave"
+    cos, sin = rope.get(t)
+    mode = "half" if rope.is_neox else "interleave"
     nq = q_size // head_size
     if q_norm is None:
         # q and k are adjacent in qkv: rotate both in one call.

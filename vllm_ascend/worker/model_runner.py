@@ -3,22 +3,24 @@
 import contextlib
 import time
 
+import numpy as np
 import torch
 from vllm.compilation.cuda_graph import CUDAGraphWrapper
 from vllm.compilation.monitor import set_cudagraph_capturing_enabled
 from vllm.config import CUDAGraphMode
 from vllm.forward_context import get_forward_context
+from vllm.utils.platform_utils import is_pin_memory_available
 from vllm.v1.kv_cache_interface import AttentionSpec
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.utils import bind_kv_cache
 from vllm.v1.worker.workspace import lock_workspace
 
 from vllm_ascend import device
-from vllm_ascend.attention.graph_params import GRAPH_PARAMS
-from vllm_ascend.compilation.acl_graph import STATS, ACLGraphWrapper, GraphHooks
+from vllm_ascend.compilation.acl_graph import GRAPH_STATE, ACLGraphWrapper, GraphHooks, GraphState
 from vllm_ascend.device import torch_npu
 from vllm_ascend.logger import get_logger
-from vllm_ascend.ops.qkv import STEP_ROPE
+from vllm_ascend.ops.qkv import StepRope
+from vllm_ascend.worker.padding import StepPadding, decide_padding
 
 logger = get_logger(__name__)
 
@@ -39,23 +41,39 @@ class FIAGraphHooks(GraphHooks):
     launched, re-issue the step's host lists (cumulative query lengths, KV lengths) through
     task updates, whose events the replay's attention nodes wait for."""
 
+    def __init__(self, state: GraphState):
+        self.fia = state.fia
+
     def capture_begin(self, desc) -> None:
-        GRAPH_PARAMS.begin_capture(desc)
+        self.fia.begin_capture(desc)
 
     def capture_end(self) -> None:
-        GRAPH_PARAMS.end_capture()
+        self.fia.end_capture()
 
     def after_replay(self, desc) -> None:
         metadata = get_forward_context().attn_metadata
         if isinstance(metadata, list):  # micro-batches are not used on Ascend
             raise NotImplementedError("micro-batched FULL graphs are not supported")
-        GRAPH_PARAMS.update(desc, next(iter(metadata.values())))
+        self.fia.update(desc, next(iter(metadata.values())))
 
 
 class NPUModelRunner(GPUModelRunner):
+    """vLLM's runner, owning what Ascend graphs need: the step's padding (FIA's fake and dummy
+    requests), the engine's graph state, and its release at shutdown."""
+
     def __init__(self, vllm_config, device_: torch.device):
         point_torch_cuda_at_npu()
         super().__init__(vllm_config, device_)
+        self.graph_state = GraphState()
+        self.compilation_config.static_forward_context[GRAPH_STATE] = self.graph_state
+        self.padding: StepPadding | None = None  # the current step's
+        self.step_ropes: list[StepRope] = []
+        # One more request row than vLLM's, for the dummy request of a full mixed FULL batch.
+        self.query_start_loc = self._make_buffer(self.max_num_reqs + 2, dtype=torch.int32)
+        self.seq_lens = torch.zeros(self.max_num_reqs + 1, dtype=torch.int32,
+                                    device=self.device)
+        self.optimistic_seq_lens_cpu = torch.zeros(self.max_num_reqs + 1, dtype=torch.int32,
+                                                   pin_memory=is_pin_memory_available())
 
     def load_model(self, load_dummy_weights: bool = False) -> None:
         super().load_model(load_dummy_weights=load_dummy_weights)
@@ -63,7 +81,11 @@ class NPUModelRunner(GPUModelRunner):
         # hooks record each layer's FIA task group at capture and update it after each replay.
         if isinstance(self.model, CUDAGraphWrapper):
             self.model = ACLGraphWrapper(self.model.runnable, self.vllm_config,
-                                         CUDAGraphMode.FULL, hooks=FIAGraphHooks())
+                                         CUDAGraphMode.FULL,
+                                         hooks=FIAGraphHooks(self.graph_state))
+        # The model's step RoPE buffers (models/common.py), filled before each forward.
+        self.step_ropes = list({id(m.step_rope): m.step_rope for m in self.get_model().modules()
+                                if isinstance(getattr(m, "step_rope", None), StepRope)}.values())
 
     def get_model(self):
         # Upstream unwraps only its own wrapper types.
@@ -136,7 +158,7 @@ class NPUModelRunner(GPUModelRunner):
         lock_workspace()
         elapsed = time.perf_counter() - start
         used = max(backend.memory_in_use() - mem_before, 0)
-        graphs = sum(STATS.captured.values())
+        graphs = sum(self.graph_state.captured.values())
         streams = backend.streams_in_use()
         logger.info(
             "vllm-ascend: graph mode %s: captured %d graphs (%s) in %.1f s, %.2f GiB; streams "
@@ -146,14 +168,59 @@ class NPUModelRunner(GPUModelRunner):
             backend.stream_budget())
         return used
 
+    def _determine_batch_execution_and_padding(self, num_tokens, num_reqs,
+                                               num_scheduled_tokens_np,
+                                               max_num_scheduled_tokens, *args, **kwargs):
+        """vLLM's dispatch (runtime mode, graph, data-parallel padding), then the step's FIA
+        padding, which _build_attention_metadata applies."""
+        result = super()._determine_batch_execution_and_padding(
+            num_tokens, num_reqs, num_scheduled_tokens_np, max_num_scheduled_tokens, *args,
+            **kwargs)
+        mode, desc = result[0], result[1]
+        self.padding = decide_padding(
+            mode, num_tokens, num_reqs, desc.num_tokens, desc.num_reqs, desc.uniform,
+            self.uniform_decode_query_len, self.max_model_len)
+        self.graph_state.recent_steps.append(self.padding)
+        return result
+
+    def _build_attention_metadata(self, num_tokens, num_reqs, max_query_len,
+                                  num_tokens_padded=None, num_reqs_padded=None, **kwargs):
+        """vLLM pads a FULL step with empty requests; write the step's fake and dummy requests
+        (their query lengths, and KV lengths equal to them) into the request buffers instead,
+        and build the metadata for every request FIA sees."""
+        padding = self.padding
+        if num_tokens_padded is None or padding is None or not padding.pads_attention:
+            return super()._build_attention_metadata(
+                num_tokens, num_reqs, max_query_len, num_tokens_padded=num_tokens_padded,
+                num_reqs_padded=num_reqs_padded, **kwargs)
+        assert padding.num_tokens_padded == num_tokens_padded, "padding of another step"
+        lens = np.asarray(padding.padding_query_lens, dtype=np.int32)
+        real, total = padding.num_reqs, padding.num_reqs_padded
+        starts = self.query_start_loc.np
+        starts[real + 1: total + 1] = starts[real] + np.cumsum(lens)
+        starts[total + 1:] = starts[total]
+        self.query_start_loc.copy_to_gpu()
+        self.optimistic_seq_lens_cpu[real:total] = torch.from_numpy(lens)
+        self.seq_lens[real:total].copy_(self.optimistic_seq_lens_cpu[real:total])
+        return super()._build_attention_metadata(
+            num_tokens, real, max_query_len, num_tokens_padded=num_tokens_padded,
+            num_reqs_padded=total, **kwargs)
+
     def _model_forward(self, input_ids=None, positions=None, intermediate_tensors=None,
                        inputs_embeds=None, **model_kwargs):
         # Gather RoPE cos/sin once per step, outside any graph, for every layer to read.
         if positions is not None:
-            STEP_ROPE.update(positions)
+            for rope in self.step_ropes:
+                rope.update(positions)
         return super()._model_forward(input_ids, positions, intermediate_tensors,
                                       inputs_embeds, **model_kwargs)
 
     def _sync_device(self) -> None:
         # Upstream calls torch.accelerator.synchronize(), which has no CPU accelerator.
         torch_npu.npu.synchronize()
+
+    def shutdown(self) -> None:
+        # Upstream frees graphs only on ROCm (CUDAGraphWrapper.clear_all_graphs): free this
+        # engine's, and the streams they hold, so that another engine in the process has them.
+        self.graph_state.release()
+        super().shutdown()
