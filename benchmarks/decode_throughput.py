@@ -54,8 +54,10 @@ def main():
     results = {}
     for model in args.models:
         for classes in args.classes:
-            # Read by vllm_ascend.models.register() in the engine process it spawns.
-            os.environ["VLLM_ASCEND_UPSTREAM_MODELS"] = "1" if classes == "upstream" else "0"
+            # vLLM's plugin allow-list, read by every process the engine spawns: the platform
+            # plugin alone loads upstream's model classes; both load the per-family files.
+            os.environ["VLLM_PLUGINS"] = "ascend" if classes == "upstream" else \
+                "ascend,ascend_models"
             for mode in args.modes:
                 start = time.perf_counter()
                 llm = LLM(paths[model], dtype="bfloat16", max_model_len=512, seed=0,

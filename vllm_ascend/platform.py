@@ -1,6 +1,5 @@
 """NPUPlatform: what vLLM asks of a device platform, answered for Ascend (npu or sim)."""
 
-import dataclasses
 import os
 from typing import TYPE_CHECKING
 
@@ -21,7 +20,7 @@ FIA_DTYPES = (torch.bfloat16, torch.float16)  # what FIA computes in; the first 
 MULTIPROC_METHOD_ENV = "VLLM_WORKER_MULTIPROC_METHOD"
 # The plugin's own settings (README), and the scripts' cache and venv locations.
 PLUGIN_ENV_VARS = {"VLLM_ASCEND_DEVICE", "VLLM_ASCEND_SIM_MEMORY_GB", "VLLM_ASCEND_SIM_STREAMS",
-                   "VLLM_ASCEND_UPSTREAM_MODELS", "VLLM_ASCEND_CACHE", "VLLM_ASCEND_VENV"}
+                   "VLLM_ASCEND_SIM_CALL_LOG", "VLLM_ASCEND_CACHE", "VLLM_ASCEND_VENV"}
 
 
 class NPUPlatform(Platform):
@@ -132,6 +131,13 @@ class NPUPlatform(Platform):
             # Async scheduling overlaps host and device work on separate streams; the simulator
             # runs both on the host, so it would only add copies.
             scheduler_config.async_scheduling = False
+        if vllm_config.speculative_config is not None and scheduler_config.async_scheduling:
+            # Under async speculative decoding the host's KV lengths are only an upper bound
+            # (vLLM corrects them on the device); FIA takes them as host lists and needs them
+            # exact.
+            logger.info("vllm-ascend: async scheduling turned off: speculative decoding needs "
+                        "exact host KV lengths for the fused infer attention operator")
+            scheduler_config.async_scheduling = False
 
         compilation_config = vllm_config.compilation_config
         if compilation_config.mode == CompilationMode.VLLM_COMPILE:
@@ -226,12 +232,6 @@ class NPUPlatform(Platform):
                              spec.num_speculative_tokens else 0),
             stream_total=int(extra.get("graph_stream_total", device.current.stream_budget())),
             stream_reserve=int(extra.get("graph_stream_reserve", DEFAULT_STREAM_RESERVE)))
-        if not extra.get("graph_stream_budget_check", True):
-            # Escape hatch for experiments: capture what was asked, whatever the streams.
-            logger.warning("vllm-ascend: graph_stream_budget_check is off: capture sizes are "
-                           "not checked against the stream budget")
-            plan = dataclasses.replace(plan, mode=mode, kept=sorted(set(
-                cc.cudagraph_capture_sizes)), dropped=[], reason="budget check off")
         if plan.mode != mode:
             why += f"; {plan.reason}"
         cc.cudagraph_mode = plan.mode
