@@ -148,6 +148,15 @@ class NPUPlatform(Platform):
                 logger.info("vllm-ascend: compile backend %r replaced by 'eager' (no Inductor "
                             "code generation on Ascend)", compilation_config.backend)
             compilation_config.backend = "eager"
+            # vLLM 0.32 skips AOT compile for the eager backend but, with VLLM_USE_AOT_COMPILE
+            # on (its default on torch >= 2.10), still hashes the whole config on every
+            # forward call (decorators.py, ~5 ms a step); with nothing to compile ahead of
+            # time, the switch is off.
+            if os.environ.get("VLLM_USE_AOT_COMPILE", "0") != "0":
+                logger.info("vllm-ascend: VLLM_USE_AOT_COMPILE=%s ignored: the eager compile "
+                            "backend has no ahead-of-time artifact",
+                            os.environ["VLLM_USE_AOT_COMPILE"])
+            os.environ["VLLM_USE_AOT_COMPILE"] = "0"
         compilation_config.cudagraph_num_of_warmups = max(
             1, compilation_config.cudagraph_num_of_warmups)
         cls._apply_graph_mode(vllm_config)
