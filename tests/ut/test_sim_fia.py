@@ -65,9 +65,15 @@ class Case:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_paged_mixed_batch_matches_reference(dtype):
-    # Prefill from empty, chunked prefill with an offset, decodes; GQA 8:2; blocks crossed.
-    case = Case([5, 7, 1, 1], [5, 40, 33, 16], dtype=dtype)
+@pytest.mark.parametrize("q_lens,kv_lens", [
+    ([5, 7, 1, 1], [5, 40, 33, 16]),  # prefill from empty, chunked with an offset, decodes
+    ([1, 1, 1], [33, 16, 1]),  # decodes only (one query token each), KV lengths differ
+    ([1, 1], [21, 21]),  # decodes only, equal KV lengths
+    ([1, 1, 0], [21, 3, 0]),  # decodes and a graph's padding request without query tokens
+], ids=["mixed", "decode", "decode-equal-kv", "decode-padded"])
+def test_paged_batch_matches_reference(dtype, q_lens, kv_lens):
+    # GQA 8:2; blocks crossed.
+    case = Case(q_lens, kv_lens, dtype=dtype)
     out, lse = case.run()
     ref = reference(case.q, case.per_request(case.k4), case.per_request(case.v4), case.q_lens,
                     0.125)

@@ -317,8 +317,19 @@ class SimGraph:
                 tensors[k] = m.view_of(m.storage)
         del alive, metas
 
+        plain: dict[int, torch.Tensor] = {}
+
         def real(x):
-            return tensors[x.k] if isinstance(x, _Slot) else x
+            if isinstance(x, _Slot):
+                return tensors[x.k]
+            if isinstance(x, torch.Tensor) and type(x) is not torch.Tensor:
+                # A tensor subclass made outside the graph (vLLM's weight Parameters define
+                # __torch_function__): the device reads its memory, not its Python class, so the
+                # kernel gets a plain tensor of the same storage.
+                if id(x) not in plain:
+                    plain[id(x)] = x.as_subclass(torch.Tensor)
+                return plain[id(x)]
+            return x
 
         segments, calls = [], []
         ctx = torch.inference_mode() if self._inference else contextlib.nullcontext()
@@ -466,8 +477,13 @@ def _to_slots(nodes: list):
     return metas, first_def, last_use, [weakref.ref(t) for t in holders]
 
 
+_ARG_NAMES: dict = {}
+
+
 def _flat_args(func, args, kwargs) -> dict:
-    names = [a.name for a in func._schema.arguments]
+    names = _ARG_NAMES.get(func)
+    if names is None:
+        names = _ARG_NAMES[func] = [a.name for a in func._schema.arguments]
     flat = dict(zip(names, args))
     flat.update(kwargs)
     return flat

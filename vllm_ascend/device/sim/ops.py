@@ -200,6 +200,16 @@ def _gather_rows(flat: torch.Tensor, starts: list[int], lens: list[int], width: 
     return flat[idx], valid
 
 
+def _paged_kv(key, value, block_table, max_kv, block_size, nkv, d):
+    """The first max_kv tokens of each row's blocks: [B, max_kv, nkv, d] keys and values."""
+    batch = block_table.shape[0]
+    nblk = max(1, -(-max_kv // block_size))
+    blocks = block_table[:, :nblk].reshape(-1)
+    kp = key.index_select(0, blocks).view(batch, nblk * block_size, nkv, d)[:, :max_kv]
+    vp = value.index_select(0, blocks).view(batch, nblk * block_size, nkv, d)[:, :max_kv]
+    return kp, vp
+
+
 def fia_kernel(query, key, value, atten_mask, actual_seq_lengths, actual_seq_lengths_kv,
                block_table, num_heads, scale, pre_tokens, next_tokens, input_layout,
                num_key_value_heads, sparse_mode, block_size, out):
@@ -213,21 +223,37 @@ def fia_kernel(query, key, value, atten_mask, actual_seq_lengths, actual_seq_len
     max_q, max_kv = max(q_lens), max(kv_lens)
     if query.shape[0] == 0 or max_q == 0:
         return  # F17: nothing to attend for
-    cu_q = list(actual_seq_lengths)
-    q_starts = [c - q for c, q in zip(cu_q, q_lens)]
-    qp, q_valid = _gather_rows(query, q_starts, q_lens, max_q)  # [B, Sq, N, D]
     batch = len(q_lens)
+    dev = query.device
+    gqa = num_heads != nkv
+    if max_q == 1 and block_table is not None:
+        # Decode: at most one query token per request (the last of its KV), so only the KV
+        # lengths mask; requests without a query token (graph padding) are skipped.
+        active = [b for b, q in enumerate(q_lens) if q]
+        kv_active = [kv_lens[b] for b in active]
+        table = block_table if len(active) == batch else block_table[active]
+        kp, vp = _paged_kv(key, value, table, max(kv_active), block_size, nkv, d)
+        # Grouped-query attention in fp32, one matmul per head group (faster on a CPU than
+        # bf16 SDPA at decode shapes; the chip's FIA also accumulates the softmax in fp32).
+        t, length = query.shape[0], kp.shape[1]
+        scores = torch.matmul(query.view(t, nkv, num_heads // nkv, d).float(),
+                              kp.permute(0, 2, 3, 1).float()) * scale  # [T, nkv, g, L]
+        if min(kv_active) != length:
+            valid = torch.arange(length, device=dev) < torch.tensor(kv_active, device=dev)[:, None]
+            scores.masked_fill_(~valid[:, None, None], float("-inf"))
+        o = torch.matmul(scores.softmax(-1), vp.transpose(1, 2).float())  # [T, nkv, g, D]
+        out.copy_(o.view(t, num_heads, d))
+        return
     if block_table is not None:
-        nblk = max(1, -(-max_kv // block_size))
-        blocks = block_table[:, :nblk].long()
-        kp = key[blocks].reshape(batch, nblk * block_size, nkv, d)[:, :max_kv]
-        vp = value[blocks].reshape(batch, nblk * block_size, nkv, d)[:, :max_kv]
+        kp, vp = _paged_kv(key, value, block_table, max_kv, block_size, nkv, d)
     else:
         kv_cu = list(actual_seq_lengths_kv)
         kv_starts = [c - k for c, k in zip(kv_cu, kv_lens)]
         kp, _ = _gather_rows(key, kv_starts, kv_lens, max_kv)
         vp, _ = _gather_rows(value, kv_starts, kv_lens, max_kv)
-    dev = query.device
+    cu_q = list(actual_seq_lengths)
+    q_starts = [c - q for c, q in zip(cu_q, q_lens)]
+    qp, q_valid = _gather_rows(query, q_starts, q_lens, max_q)  # [B, Sq, N, D]
     kv_len_t = torch.tensor(kv_lens, device=dev)[:, None, None]
     j = torch.arange(max_kv, device=dev)[None, None, :]
     qpos = (kv_len_t - torch.tensor(q_lens, device=dev)[:, None, None]
@@ -236,7 +262,7 @@ def fia_kernel(query, key, value, atten_mask, actual_seq_lengths, actual_seq_len
     allowed |= ~q_valid[:, :, None]  # padded query rows: any finite row, discarded below
     o = torch.nn.functional.scaled_dot_product_attention(
         qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2), attn_mask=allowed[:, None],
-        scale=scale, enable_gqa=num_heads != nkv).transpose(1, 2)  # [B, Sq, N, D]
+        scale=scale, enable_gqa=gqa).transpose(1, 2)  # [B, Sq, N, D]
     rows = torch.tensor(q_starts, device=dev)[:, None] + torch.arange(max_q, device=dev)
     out[rows[q_valid]] = o[q_valid].to(out.dtype)
 
@@ -329,18 +355,21 @@ def _scatter_impl(key, value, key_cache, value_cache, slot_mapping, *, cache_mod
         raise _scatter_error(TILING_ERROR, f"slot_mapping has {slot_mapping.shape[0]} slots for "
                              f"{key.shape[0]} tokens")
     slots = slot_mapping.long()
-    keep = slots >= 0  # -1 marks a padded token: nothing is written for it
-    slots = slots[keep]
     num_blocks, block_size = key_cache.shape[:2]
-    if slots.numel():
-        if int(slots.max()) >= num_blocks * block_size:
-            raise _scatter_error(TILING_ERROR, f"slot {int(slots.max())} is out of range "
-                                 f"[0, {num_blocks * block_size - 1}]")
-        if slots.unique().numel() != slots.numel():
-            raise _scatter_error(TILING_ERROR, "slot_mapping values must be unique")
-    blk, off = slots // block_size, slots % block_size
-    key_cache[blk, off] = key[keep]
-    value_cache[blk, off] = value[keep]
+    if not slots.numel():
+        return
+    low, high = (int(v) for v in torch.aminmax(slots))
+    if low < 0:  # -1 marks a padded token: nothing is written for it
+        keep = slots >= 0
+        slots, key, value = slots[keep], key[keep], value[keep]
+    if high >= num_blocks * block_size:
+        raise _scatter_error(TILING_ERROR, f"slot {high} is out of range "
+                             f"[0, {num_blocks * block_size - 1}]")
+    if slots.numel() > 1 and slots.unique().numel() != slots.numel():
+        raise _scatter_error(TILING_ERROR, "slot_mapping values must be unique")
+    # Contiguous [blocks, block_size, heads, head_size] caches: a slot is a row of the flat view.
+    key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slots, key)
+    value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slots, value)
 
 
 _lib.impl("npu_scatter_pa_kv_cache", _scatter_impl, "CPU")
