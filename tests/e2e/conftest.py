@@ -41,20 +41,31 @@ def max_tokens_for(family: str) -> int:
 
 
 @contextlib.contextmanager
-def engine(model: str, **kwargs):
-    from vllm import LLM
+def engine(model: str, multiprocess: bool = False, **kwargs):
+    """An LLM on the simulator. By default its engine core runs in this process
+    (VLLM_ENABLE_V1_MULTIPROCESSING=0): the same scheduler, executor, worker and runner as in
+    serving, without spawning a process per engine (about 7 s of interpreter start and imports
+    each). ``multiprocess=True`` gives the engine core its own process, as users run it, for
+    tests that read the engine's stderr or environment at its start."""
+    from vllm import LLM, envs
 
     # max_num_batched_tokens 512: the start-up profile run of a full batch stays short in bf16
     # on a CPU (tests that need chunking set less).
     args = dict(dtype="bfloat16", max_model_len=512, max_num_batched_tokens=512, seed=0,
                 max_num_seqs=16)
     args.update(kwargs)
-    llm = LLM(model, **args)
+    with pytest.MonkeyPatch.context() as env:  # read when the LLM is made; not left behind
+        env.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1" if multiprocess else "0")
+        llm = LLM(model, **args)
     try:
         yield llm
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
+        # An in-process engine core freezes the GC heap and caches vLLM's environment at its
+        # start (for serving); undo both so that the next engine starts from this test's state.
+        envs.disable_envs_cache()
+        gc.unfreeze()
         gc.collect()
 
 

@@ -15,13 +15,15 @@ STREAMS = 10  # a 2-layer model costs 3 streams per PIECEWISE size: 3 sizes fit
 
 @pytest.fixture
 def small_budget(monkeypatch):
-    monkeypatch.setenv("VLLM_ASCEND_SIM_STREAMS", str(STREAMS))  # read by the engine process
+    monkeypatch.setenv("VLLM_ASCEND_SIM_STREAMS", str(STREAMS))  # read by the device at capture
 
 
-def start(**extra):
-    return engine(model_path("llama"), max_num_seqs=16, additional_config={
-        "graph_stream_total": STREAMS, "graph_stream_reserve": 0, **extra}, compilation_config={
-        "cudagraph_mode": "PIECEWISE", "cudagraph_capture_sizes": SIZES})
+def start(multiprocess=False, **extra):
+    return engine(model_path("llama"), max_num_seqs=16, multiprocess=multiprocess,
+                  additional_config={"graph_stream_total": STREAMS, "graph_stream_reserve": 0,
+                                     **extra},
+                  compilation_config={"cudagraph_mode": "PIECEWISE",
+                                      "cudagraph_capture_sizes": SIZES})
 
 
 def test_small_budget_captures_exactly_the_kept_sizes(small_budget):
@@ -45,7 +47,7 @@ def test_a_budget_the_device_does_not_have_fails_capture_with_207008_and_advice(
                                                                                 capfd):
     # The plan trusts a configured total of 100 streams; the device has 10.
     with pytest.raises(RuntimeError):
-        with start(graph_stream_total=100):
+        with start(multiprocess=True, graph_stream_total=100):  # its log: the engine's stderr
             pass
     err = capfd.readouterr().err
     assert "207008" in err and "stream resources are insufficient" in err
