@@ -1,10 +1,14 @@
-"""Decode tokens/s and ms per step, per graph mode, measured side by side in one run.
+"""Decode ms/step per graph mode, and HF transformers' ``generate`` on the same model and dtype,
+measured side by side in one run.
 
     bash scripts/run_tests.sh --co -q >/dev/null   # (any README command sets up the venv)
-    python benchmarks/decode_throughput.py --models tiny smollm2 --modes eager PIECEWISE
+    python benchmarks/decode_throughput.py --models tiny smollm2 \
+        --modes gemm hf eager PIECEWISE FULL FULL_AND_PIECEWISE --batches 1 8
 
-Each (model, mode) gets one engine; each batch size is timed after a warm-up generation.
-Ratios are against eager in the same run.
+Decode time excludes prefill: each batch is generated twice, for 1 and for 1 + N new tokens
+(greedy, EOS ignored), and ms/step is the difference over N. One engine (or HF model) at a time,
+after a warm-up generation, the fastest of 3 runs. Ratios are speed ratios (higher is faster) against eager and against
+HF in the same run. The 'gemm' row is the floor: the step's matrix products alone.
 """
 
 import argparse
@@ -17,36 +21,94 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("VLLM_ASCEND_SIM_MEMORY_GB", "2")
 
 
+def prompts_for(batch: int) -> list[str]:
+    return [f"Request {i}: tell me a story about the number {i}." for i in range(batch)]
+
+
+def decode_ms(generate, batch: int, tokens: int, repeats: int = 3) -> float:
+    """ms per decode step: generate(batch, 1 + tokens) minus generate(batch, 1), over tokens
+    (the fastest of `repeats` runs of each, interleaved)."""
+    generate(batch, 4)  # warm-up
+    times = {}
+    for _ in range(repeats):
+        for n in (1, 1 + tokens):
+            start = time.perf_counter()
+            generate(batch, n)
+            times.setdefault(n, []).append(time.perf_counter() - start)
+    return 1000 * (min(times[1 + tokens]) - min(times[1])) / tokens
+
+
+def vllm_generator(llm):
+    from vllm import SamplingParams
+
+    def generate(batch, n):
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        llm.generate(prompts_for(batch), params, use_tqdm=False)
+    return generate
+
+
+def load_hf(path: str):
+    import torch
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+
+
+def gemm_floor_ms(path: str, batch: int, repeats: int = 20) -> float:
+    """The step's matrix products alone: every Linear of the model (the LM head included) once
+    on `batch` bf16 rows, back to back, the fastest of `repeats` passes. No engine can decode
+    faster on this CPU without changing the dtype."""
+    import torch
+
+    model = load_hf(path)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    xs = {m.in_features: torch.randn(batch, m.in_features, dtype=torch.bfloat16)
+          for m in linears}
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for m in linears:
+                torch.nn.functional.linear(xs[m.in_features], m.weight)
+            best = min(best, time.perf_counter() - start)
+    return 1000 * best
+
+
+def hf_generator(path: str):
+    import torch
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(path, padding_side="left")
+    tok.pad_token = tok.pad_token or tok.eos_token
+    model = load_hf(path)
+
+    def generate(batch, n):
+        inputs = tok(prompts_for(batch), return_tensors="pt", padding=True)
+        with torch.inference_mode():
+            model.generate(**inputs, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                           pad_token_id=tok.pad_token_id)
+    return generate
+
+
 def engine_args(mode: str) -> dict:
     if mode == "eager":
         return {"enforce_eager": True}
     return {"compilation_config": {"cudagraph_mode": mode}}
 
 
-def measure(llm, batch: int, tokens: int) -> tuple[float, float]:
-    from vllm import SamplingParams
-
-    prompts = [f"Request {i}: tell me a story about the number {i}." for i in range(batch)]
-    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
-    start = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    return batch * tokens / elapsed, 1000 * elapsed / tokens
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["tiny", "smollm2"])
-    parser.add_argument("--modes", nargs="+", default=["eager"])
-    parser.add_argument("--batches", nargs="+", type=int, default=[1, 4, 16])
+    parser.add_argument("--modes", nargs="+",
+                        default=["gemm", "hf", "eager", "FULL_AND_PIECEWISE"],
+                        help="'hf' (transformers generate), 'gemm' (the step's matrix "
+                        "products alone: the floor), 'eager', or a cudagraph_mode")
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--classes", nargs="+", default=["ours"], choices=["ours", "upstream"],
                         help="model classes: vllm-ascend's per-family files or upstream vLLM's")
     args = parser.parse_args()
-
-    from vllm import LLM
 
     from scripts.models import smollm2_dir, tiny_model_dir
 
@@ -59,26 +121,41 @@ def main():
             os.environ["VLLM_PLUGINS"] = "ascend" if classes == "upstream" else \
                 "ascend,ascend_models"
             for mode in args.modes:
+                if mode in ("hf", "gemm") and classes != args.classes[0]:
+                    continue
                 start = time.perf_counter()
-                llm = LLM(paths[model], dtype="bfloat16", max_model_len=512, seed=0,
-                          max_num_seqs=max(args.batches), **engine_args(mode))
+                if mode == "gemm":
+                    for batch in args.batches:
+                        results[(model, classes, mode, batch)] = gemm_floor_ms(paths[model], batch)
+                    continue
+                if mode == "hf":
+                    llm, generate = None, hf_generator(paths[model])
+                else:
+                    from vllm import LLM
+
+                    llm = LLM(paths[model], dtype="bfloat16", max_model_len=512, seed=0,
+                              max_num_seqs=max(args.batches), **engine_args(mode))
+                    generate = vllm_generator(llm)
                 startup = time.perf_counter() - start
                 for batch in args.batches:
-                    results[(model, classes, mode, batch)] = measure(llm, batch, args.tokens)
-                print(f"[{model} {classes} {mode}] engine start {startup:.1f} s", flush=True)
-                llm.llm_engine.engine_core.shutdown()
-                del llm
+                    results[(model, classes, mode, batch)] = decode_ms(generate, batch,
+                                                                       args.tokens)
+                print(f"[{model} {classes} {mode}] start {startup:.1f} s", flush=True)
+                if llm is not None:
+                    llm.llm_engine.engine_core.shutdown()
+                del llm, generate
                 gc.collect()
 
-    print(f"\n{'model':8} {'classes':9} {'mode':20} {'batch':>5} {'tok/s':>9} {'ms/step':>9} "
-          f"{'vs eager':>9} {'vs upstream':>11}")
-    for (model, classes, mode, batch), (tps, ms) in results.items():
-        base = results.get((model, classes, "eager", batch))
-        up = results.get((model, "upstream", mode, batch))
-        ratio = f"{tps / base[0]:.2f}x" if base else "-"
-        vs_up = f"{tps / up[0]:.2f}x" if up and classes != "upstream" else "-"
-        print(f"{model:8} {classes:9} {mode:20} {batch:5d} {tps:9.1f} {ms:9.2f} {ratio:>9} "
-              f"{vs_up:>11}")
+    print(f"\n{'model':8} {'classes':9} {'mode':20} {'batch':>5} {'ms/step':>9} {'tok/s':>9} "
+          f"{'vs eager':>9} {'vs HF':>7} {'vs upstream':>11}")
+    for (model, classes, mode, batch), ms in results.items():
+        def ratio(key):
+            base = results.get(key)
+            return f"{base / ms:.2f}x" if base and key != (model, classes, mode, batch) else "-"
+        up = ratio((model, "upstream", mode, batch)) if classes != "upstream" else "-"
+        print(f"{model:8} {classes:9} {mode:20} {batch:5d} {ms:9.2f} {1000 * batch / ms:9.1f} "
+              f"{ratio((model, classes, 'eager', batch)):>9} "
+              f"{ratio((model, args.classes[0], 'hf', batch)):>7} {up:>11}")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
 """The graph mode in effect, as a table: (requested, backend support, eager, kind) -> mode."""
 
+import os
+
 import pytest
 from vllm.config import CUDAGraphMode as M
 from vllm.v1.attention.backend import AttentionCGSupport as S
@@ -47,3 +49,18 @@ def test_without_piecewise_compilation():
 def test_not_a_mode_is_a_clear_error():
     with pytest.raises(GraphModeError, match="not one of"):
         resolve_graph_mode("FAST", S.ALWAYS, False)
+
+
+def test_piecewise_compilation_runs_the_eager_backend_without_aot_compile(monkeypatch):
+    # With AOT compile on, vLLM 0.32 hashes the whole config on every compiled forward call
+    # when the backend is eager (about 5 ms per decode step).
+    from vllm.config import CompilationConfig, CompilationMode, VllmConfig
+
+    from vllm_ascend.platform import NPUPlatform
+
+    monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "1")
+    config = VllmConfig(compilation_config=CompilationConfig(mode=CompilationMode.VLLM_COMPILE,
+                                                             backend="inductor"))
+    NPUPlatform.check_and_update_config(config)
+    assert config.compilation_config.backend == "eager"
+    assert os.environ["VLLM_USE_AOT_COMPILE"] == "0"
