@@ -54,6 +54,11 @@ def engine(model: str, multiprocess: bool = False, **kwargs):
     args = dict(dtype="bfloat16", max_model_len=512, max_num_batched_tokens=512, seed=0,
                 max_num_seqs=16)
     args.update(kwargs)
+    # vLLM's start-up collects garbage a dozen times; in this long-lived process each full
+    # collection walks every test's objects (HF references included). Freeze what lives now, as
+    # vLLM freezes its own start-up heap, so that those collections walk the new engine only.
+    gc.collect()
+    gc.freeze()
     with pytest.MonkeyPatch.context() as env:  # read when the LLM is made; not left behind
         env.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1" if multiprocess else "0")
         llm = LLM(model, **args)
@@ -62,8 +67,8 @@ def engine(model: str, multiprocess: bool = False, **kwargs):
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
-        # An in-process engine core freezes the GC heap and caches vLLM's environment at its
-        # start (for serving); undo both so that the next engine starts from this test's state.
+        # An in-process engine core caches vLLM's environment at its start (for serving); undo
+        # that, and the heap freezes, so that the engine's garbage is collected.
         envs.disable_envs_cache()
         gc.unfreeze()
         gc.collect()
