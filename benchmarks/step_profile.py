@@ -27,6 +27,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("VLLM_ASCEND_SIM_MEMORY_GB", "2")
 
+from benchmarks.decode_throughput import engine_args, prompts_for  # noqa: E402
+
 TIMES: collections.Counter = collections.Counter()
 
 # (row, class path, method): the phases timed in-process, outermost first.
@@ -74,16 +76,6 @@ def install_timers() -> None:
             module, cls = path.rsplit(".", 1)
             owner = getattr(importlib.import_module(module), cls)
         setattr(owner, name, timed(row, getattr(owner, name)))
-
-
-def engine_args(mode: str) -> dict:
-    if mode == "eager":
-        return {"enforce_eager": True}
-    return {"compilation_config": {"cudagraph_mode": mode}}
-
-
-def prompts_for(batch: int) -> list[str]:
-    return [f"Request {i}: tell me a story about the number {i}." for i in range(batch)]
 
 
 def decode_split(llm, batch: int, tokens: int, repeats: int = 3) -> dict:
