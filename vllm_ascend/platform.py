@@ -1,6 +1,8 @@
 """NPUPlatform: what vLLM asks of a device platform, answered for Ascend (npu or sim)."""
 
 import os
+import sys
+import warnings
 from typing import TYPE_CHECKING
 
 import torch
@@ -17,10 +19,21 @@ logger = get_logger(__name__)
 
 ASCEND_BLOCK_SIZE = 128  # the paged-KV block size FIA is used with
 FIA_DTYPES = (torch.bfloat16, torch.float16)  # what FIA computes in; the first is preferred
+FIA_MAX_QUERY_PER_REQUEST = 16  # TND decode with speculation (upstream asserts it)
 MULTIPROC_METHOD_ENV = "VLLM_WORKER_MULTIPROC_METHOD"
 # The plugin's own settings (README), and the scripts' cache and venv locations.
 PLUGIN_ENV_VARS = {"VLLM_ASCEND_DEVICE", "VLLM_ASCEND_SIM_MEMORY_GB", "VLLM_ASCEND_SIM_STREAMS",
                    "VLLM_ASCEND_SIM_CALL_LOG", "VLLM_ASCEND_CACHE", "VLLM_ASCEND_VENV"}
+
+
+def _scannable(module) -> bool:
+    """Whether vLLM's kernel-override scan can read ``module``'s attributes."""
+    try:
+        return all(hasattr(vars(value), "get")
+                   for value in list((getattr(module, "__dict__", None) or {}).values())
+                   if hasattr(value, "__dict__"))
+    except Exception:
+        return False
 
 
 class NPUPlatform(Platform):
@@ -74,13 +87,38 @@ class NPUPlatform(Platform):
 
     @classmethod
     def register_triton_kernel_overrides(cls) -> None:
-        from vllm.triton_utils.dispatcher import register_kernels
+        from vllm.triton_utils.dispatcher import _registry, register_kernels
 
+        from vllm_ascend.worker import spec_kernels
         from vllm_ascend.worker.kernels import compute_slot_mapping
 
-        register_kernels(
-            {"vllm.v1.worker.block_table.ComputeSlotMappingKernel.kernel": compute_slot_mapping}
-        )
+        overrides = {
+            "vllm.v1.worker.block_table.ComputeSlotMappingKernel.kernel": compute_slot_mapping,
+            **spec_kernels.kernel_overrides()}
+        # Once per process (vLLM calls this for every engine; the overrides stay).
+        if all(name in _registry for name in overrides):
+            return
+        # vLLM's registration scans every module's attributes and calls vars(value).get(...);
+        # llvmlite's ffi.lib (imported with numba, for the n-gram proposer) answers vars() with
+        # a function wrapper and the scan fails. Such modules hold no vLLM kernel: hide them
+        # from sys.modules while it runs.
+        with warnings.catch_warnings():  # the scans touch deprecated torch attributes
+            warnings.simplefilter("ignore", FutureWarning)
+            hidden = {name: module for name, module in list(sys.modules.items())
+                      if not _scannable(module)}
+            try:
+                for name in hidden:
+                    del sys.modules[name]
+                register_kernels(overrides)
+            finally:
+                sys.modules.update(hidden)
+
+    @classmethod
+    def check_runner_kv_caches_multi_layer(cls) -> None:
+        # A draft model's layers share indices with the target's. Harmless here: layers take
+        # their caches by name from the forward context, and the runner's index-ordered list is
+        # only cleared at shutdown.
+        pass
 
     @classmethod
     def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None) -> str:
@@ -131,6 +169,7 @@ class NPUPlatform(Platform):
             # Async scheduling overlaps host and device work on separate streams; the simulator
             # runs both on the host, so it would only add copies.
             scheduler_config.async_scheduling = False
+        cls._check_speculative_config(vllm_config.speculative_config)
         if vllm_config.speculative_config is not None and scheduler_config.async_scheduling:
             # Under async speculative decoding the host's KV lengths are only an upper bound
             # (vLLM corrects them on the device); FIA takes them as host lists and needs them
@@ -204,6 +243,16 @@ class NPUPlatform(Platform):
         return torch_npu.npu.graph_pool_handle()
 
     @classmethod
+    def _check_speculative_config(cls, spec) -> None:
+        k = spec.num_speculative_tokens if spec is not None else None
+        if k and 1 + k > FIA_MAX_QUERY_PER_REQUEST:
+            raise ValueError(
+                f"num_speculative_tokens={k} is too many for Ascend: the verify step gives each "
+                f"request 1 + {k} = {1 + k} query tokens, and the fused infer attention "
+                f"operator takes at most {FIA_MAX_QUERY_PER_REQUEST} per request in TND "
+                f"layout. Use num_speculative_tokens <= {FIA_MAX_QUERY_PER_REQUEST - 1}.")
+
+    @classmethod
     def _apply_graph_mode(cls, vllm_config: "VllmConfig") -> None:
         """Settle the graph mode and the capture sizes before vLLM's dispatcher, compile sizes
         and the runner read them, and say what was decided."""
@@ -231,16 +280,25 @@ class NPUPlatform(Platform):
         extra = vllm_config.additional_config or {}
         spec = vllm_config.speculative_config
         draft = getattr(spec, "draft_model_config", None) if spec is not None else None
+        # Speculative decoding's verify step has 1 + K tokens per request.
+        multiple = 1 + ((spec.num_speculative_tokens or 0) if spec is not None else 0)
         plan = plan_capture_sizes(
             list(cc.cudagraph_capture_sizes or []), mode,
             model_config.get_num_layers(parallel),
             tensor_parallel=parallel.tensor_parallel_size,
             data_parallel=parallel.data_parallel_size,
             draft_layers=draft.get_num_layers(parallel) if draft is not None else 0,
-            multiple_of=1 + (spec.num_speculative_tokens if spec is not None and
-                             spec.num_speculative_tokens else 0),
+            multiple_of=multiple,
             stream_total=int(extra.get("graph_stream_total", device.current.stream_budget())),
             stream_reserve=int(extra.get("graph_stream_reserve", DEFAULT_STREAM_RESERVE)))
+        if cc.cudagraph_capture_sizes and all(s % multiple for s in cc.cudagraph_capture_sizes):
+            raise ValueError(
+                f"None of the capture sizes {sorted(cc.cudagraph_capture_sizes)} is a multiple "
+                f"of 1 + num_speculative_tokens = {multiple}: the verify step's batches have "
+                f"{multiple} tokens per request, so no graph would ever replay. Use multiples of "
+                f"{multiple} (e.g. --compilation-config '{{\"cudagraph_capture_sizes\": "
+                f"{[multiple * n for n in (1, 2, 4, 8)]}}}'), or leave cudagraph_capture_sizes "
+                "unset and vLLM picks them.")
         if plan.mode != mode:
             why += f"; {plan.reason}"
         cc.cudagraph_mode = plan.mode
