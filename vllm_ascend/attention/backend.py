@@ -88,6 +88,15 @@ class AscendAttentionMetadataBuilder(AttentionMetadataBuilder[AscendMetadata]):
             atten_mask=self.atten_mask,
         )
 
+    def build_for_drafting(self, common_attn_metadata: CommonAttentionMetadata,
+                           draft_index: int) -> AscendMetadata:
+        # vLLM's drafter moves the KV lengths on the device only (draft slots added, rejected
+        # tokens taken off, +1 per draft step), leaving the host copy stale; FIA needs them
+        # exact on the host, so read them back: one device-to-host copy per draft step.
+        cam = common_attn_metadata
+        return self.build(0, cam.replace(seq_lens_cpu_upper_bound=cam.seq_lens.cpu()),
+                          fast_build=True)
+
 
 class AscendAttentionImpl(AttentionImpl):
     def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,

@@ -35,6 +35,8 @@ class GraphCaptureFailed(RuntimeError):
 
 
 GRAPH_STATE = "vllm_ascend.graph_state"  # its name in the engine's static forward context
+# vLLM's compile tags for speculative drafters' models (EAGLE/MTP heads; draft models).
+DRAFTER_MODEL_TAGS = ("eagle_head", "draft_model")
 
 
 class GraphState:
@@ -52,6 +54,9 @@ class GraphState:
         self.fia = GraphParams()
         self.captured: collections.Counter = collections.Counter()  # runtime mode -> graphs
         self.replayed: collections.Counter = collections.Counter()  # runtime mode -> replays
+        # The speculative drafter's share of those.
+        self.drafter_captured: collections.Counter = collections.Counter()
+        self.drafter_replayed: collections.Counter = collections.Counter()
         # The runner's padding decisions (worker/padding.StepPadding) of the latest steps, to
         # check the replays against the schedule.
         self.recent_steps: collections.deque = collections.deque(maxlen=1024)
@@ -65,7 +70,11 @@ class GraphState:
         return state
 
     def counts(self) -> dict:
-        return {"captured": dict(self.captured), "replayed": dict(self.replayed)}
+        counts = {"captured": dict(self.captured), "replayed": dict(self.replayed)}
+        if self.drafter_captured:
+            counts["drafter"] = {"captured": dict(self.drafter_captured),
+                                 "replayed": dict(self.drafter_replayed)}
+        return counts
 
     def release(self) -> None:
         for wrapper in list(self.wrappers):
@@ -130,6 +139,9 @@ class ACLGraphWrapper:
         self.state.wrappers.add(self)
         self.entries: dict = {}
         self.hooks = hooks or GraphHooks()
+        # A piece of a speculative drafter's model, by the tag vLLM compiles it under.
+        backend = getattr(runnable, "vllm_backend", None)
+        self.drafter = getattr(backend, "prefix", "") in DRAFTER_MODEL_TAGS
 
     def __getattr__(self, key: str) -> Any:
         if key != "runnable" and hasattr(self.runnable, key):
@@ -168,6 +180,8 @@ class ACLGraphWrapper:
         entry.graph.replay()
         self.hooks.after_replay(desc)
         self.state.replayed[mode.name] += 1
+        if self.drafter:
+            self.state.drafter_replayed[mode.name] += 1
         return entry.output
 
     def _capture(self, desc, args, kwargs):
@@ -189,4 +203,6 @@ class ACLGraphWrapper:
         self.entries[desc] = _Entry(graph, weak_ref_tensors(output), _input_addresses(args))
         compilation_counter.num_cudagraph_captured += 1
         self.state.captured[self.runtime_mode.name] += 1
+        if self.drafter:
+            self.state.drafter_captured[self.runtime_mode.name] += 1
         return output

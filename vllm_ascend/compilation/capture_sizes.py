@@ -30,11 +30,12 @@ class CapturePlan:
 
 
 def graphs_per_size(mode: CUDAGraphMode, num_layers: int, draft_layers: int = 0) -> int:
-    """ACL graphs one capture size costs in ``mode`` (a draft model adds its own pieces)."""
+    """ACL graphs one capture size costs in ``mode``. A speculative drafter's model (a draft
+    model or an EAGLE head, of ``draft_layers``) adds its own pieces where there are pieces:
+    vLLM captures drafters in PIECEWISE only, never FULL."""
     pieces = num_layers + 1 + (draft_layers + 1 if draft_layers else 0)
-    full = 1 + (1 if draft_layers else 0)
     return ((pieces if mode.has_piecewise_cudagraphs() else 0)
-            + (full if mode.has_full_cudagraphs() else 0))
+            + (1 if mode.has_full_cudagraphs() else 0))
 
 
 def streams_per_graph(tensor_parallel: int, data_parallel: int) -> int:

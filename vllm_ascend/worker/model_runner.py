@@ -57,6 +57,13 @@ class FIAGraphHooks(GraphHooks):
         self.fia.update(desc, next(iter(metadata.values())))
 
 
+def step_ropes_of(model) -> list[StepRope]:
+    if not isinstance(model, torch.nn.Module):
+        return []
+    return list({id(m.step_rope): m.step_rope for m in model.modules()
+                 if isinstance(getattr(m, "step_rope", None), StepRope)}.values())
+
+
 class NPUModelRunner(GPUModelRunner):
     """vLLM's runner, owning what Ascend graphs need: the step's padding (FIA's fake and dummy
     requests), the engine's graph state, and its release at shutdown."""
@@ -83,9 +90,21 @@ class NPUModelRunner(GPUModelRunner):
             self.model = ACLGraphWrapper(self.model.runnable, self.vllm_config,
                                          CUDAGraphMode.FULL,
                                          hooks=FIAGraphHooks(self.graph_state))
+        drafter = getattr(self, "drafter", None)
+        if isinstance(getattr(drafter, "_slot_mapping_buffer", None), torch.Tensor):
+            # The drafter's KV slots: int32, as the KV write takes them (vLLM keeps int64), and
+            # -1 (write nothing) until a step fills them, since its capture runs read them.
+            drafter._slot_mapping_buffer = torch.full_like(
+                drafter._slot_mapping_buffer, -1, dtype=torch.int32)
         # The model's step RoPE buffers (models/common.py), filled before each forward.
-        self.step_ropes = list({id(m.step_rope): m.step_rope for m in self.get_model().modules()
-                                if isinstance(getattr(m, "step_rope", None), StepRope)}.values())
+        self.step_ropes = step_ropes_of(self.get_model())
+        draft_ropes = step_ropes_of(getattr(drafter, "model", None))
+        if draft_ropes:  # a draft model of our families: vLLM's proposer calls it directly
+            def fill_draft_ropes(_module, _args, kwargs):
+                for rope in draft_ropes:
+                    rope.update(kwargs["positions"])
+
+            drafter.model.register_forward_pre_hook(fill_draft_ropes, with_kwargs=True)
 
     def get_model(self):
         # Upstream unwraps only its own wrapper types.
@@ -159,10 +178,12 @@ class NPUModelRunner(GPUModelRunner):
         elapsed = time.perf_counter() - start
         used = max(backend.memory_in_use() - mem_before, 0)
         graphs = sum(self.graph_state.captured.values())
+        drafter = sum(self.graph_state.drafter_captured.values())
         streams = backend.streams_in_use()
         logger.info(
-            "vllm-ascend: graph mode %s: captured %d graphs (%s) in %.1f s, %.2f GiB; streams "
+            "vllm-ascend: graph mode %s: captured %d graphs%s (%s) in %.1f s, %.2f GiB; streams "
             "used %s of %d", mode.name, graphs,
+            f", {drafter} of them the speculative drafter's" if drafter else "",
             "; ".join(f"{m} sizes {sorted(set(v))}" for m, v in sizes.items()), elapsed,
             used / (1 << 30), streams if streams is not None else f"{graphs} (one per graph)",
             backend.stream_budget())
