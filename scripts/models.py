@@ -79,3 +79,35 @@ def smollm2_dir() -> pathlib.Path:
     tok.save_pretrained(tmp)
     tmp.rename(path)
     return path
+
+
+def eagle_head_dir(target: str) -> str:
+    """A random-weight EAGLE head (one decoder layer and the `fc` that mixes the token embedding
+    with the target's hidden state) in the target Llama model's EAGLE layout, saved once.
+    vLLM loads it as EagleLlamaForCausalLM and shares the target's embedding and LM head."""
+    import json
+
+    import safetensors.torch
+    import torch
+    import transformers
+
+    target_path = pathlib.Path(target)
+    path = CACHE / "models" / f"eagle-head-{target_path.name}-v1"
+    if (path / "config.json").exists():
+        return str(path)
+    config = transformers.AutoConfig.from_pretrained(target_path)
+    if config.model_type != "llama":
+        raise ValueError(f"EAGLE heads exist in vLLM for Llama models, not {config.model_type}")
+    config.num_hidden_layers = 1
+    torch.manual_seed(4321)
+    layer = transformers.models.llama.modeling_llama.LlamaDecoderLayer(config, 0)
+    weights = {f"layers.0.{name}": p.detach().normal_(0, 0.08) if p.dim() > 1 else p.detach()
+               for name, p in layer.state_dict().items() if "input_layernorm" not in name}
+    weights["fc.weight"] = torch.randn(config.hidden_size, 2 * config.hidden_size) * 0.08
+    tmp = path.with_suffix(".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    safetensors.torch.save_file({k: v.contiguous() for k, v in weights.items()},
+                                str(tmp / "model.safetensors"))
+    (tmp / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
+    tmp.rename(path)
+    return str(path)

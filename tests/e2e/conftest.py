@@ -88,38 +88,45 @@ def graph_counts(llm) -> dict:
 
 @contextlib.contextmanager
 def replays(llm):
-    """Yields a dict that, at exit, holds the graph replays made inside the block ("replayed":
-    runtime mode -> count) and the steps the engine ran meanwhile ("steps": (scheduled tokens,
-    scheduled requests) per step, from the runner's record)."""
+    """Yields a dict that, at exit, holds the model's graph replays made inside the block
+    ("replayed": runtime mode -> count), a speculative drafter's ("drafter_replayed"), and the
+    steps the engine ran meanwhile ("steps": (scheduled tokens, scheduled requests) per step,
+    from the runner's record)."""
     def mark(worker):
         state = worker.model_runner.graph_state
         state.recent_steps.clear()
-        return dict(state.replayed)
+        return dict(state.replayed), dict(state.drafter_replayed)
 
     def read(worker):
         state = worker.model_runner.graph_state
-        return dict(state.replayed), [(s.num_tokens, s.num_reqs) for s in state.recent_steps]
+        return (dict(state.replayed), dict(state.drafter_replayed),
+                [(s.num_tokens, s.num_reqs) for s in state.recent_steps])
+
+    def delta(after, before):
+        return collections.Counter(after) - collections.Counter(before)
 
     result: dict = {}
-    before = llm.collective_rpc(mark)[0]
+    before, drafter_before = llm.collective_rpc(mark)[0]
     yield result
-    after, steps = llm.collective_rpc(read)[0]
-    result["replayed"] = {m: n - before.get(m, 0) for m, n in after.items()
-                          if n != before.get(m, 0)}
+    after, drafter_after, steps = llm.collective_rpc(read)[0]
+    drafter = delta(drafter_after, drafter_before)
+    result["replayed"] = dict(delta(after, before) - drafter)
+    result["drafter_replayed"] = dict(drafter)
     result["steps"] = [tuple(step) for step in steps]  # (the RPC returns lists)
 
 
-def expected_replays(mode: str, steps, num_layers: int, max_size: int) -> dict:
+def expected_replays(mode: str, steps, num_layers: int, max_size: int,
+                     decode_query_len: int = 1) -> dict:
     """The replays ``steps`` must make in ``mode``, by vLLM's dispatch rules (not the runner's
     record of them): a step runs graphs when its tokens fit the largest capture size; it is a
-    uniform decode step when it has one token per request; PIECEWISE replays a graph per piece
-    (layers + 1)."""
+    uniform decode step when it has ``decode_query_len`` tokens per request (1 + the speculative
+    tokens); PIECEWISE replays a graph per piece (layers + 1)."""
     counts: collections.Counter = collections.Counter()
     for tokens, reqs in steps:
         if tokens > max_size:
             continue
-        full = mode == "FULL" or (tokens == reqs and mode in ("FULL_DECODE_ONLY",
-                                                             "FULL_AND_PIECEWISE"))
+        uniform = tokens == reqs * decode_query_len
+        full = mode == "FULL" or (uniform and mode in ("FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"))
         if full:
             counts["FULL"] += 1
         elif mode in ("PIECEWISE", "FULL_AND_PIECEWISE"):

@@ -1,0 +1,133 @@
+"""Speculative decoding in graph mode: n-gram, a draft model and an EAGLE head, with greedy
+output equal to HF transformers' (non-speculative) greedy output under the logprob-closeness
+rule, graph replays asserted for the verify step and the drafter, and vLLM's acceptance
+metrics read back."""
+
+import pytest
+
+from scripts.models import eagle_head_dir
+from tests.e2e.conftest import (PROMPTS, check_logprobs_close, engine, expected_replays,
+                                graph_counts, hf_greedy, max_tokens_for, model_path, replays,
+                                vllm_greedy)
+
+MODES = ["NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]
+MAX_NUM_SEQS = 4
+# (family, method, num_speculative_tokens, graph mode). Llama runs every method in every mode;
+# Qwen2 and Qwen3 run one method each; SmolLM2 runs n-gram on a repetitive prompt (where it
+# drafts at every step) and its own EAGLE head.
+CASES = ([("llama", "ngram", 3, m) for m in MODES]
+         + [("llama", "draft_model", 2, m) for m in MODES]
+         + [("llama", "eagle", 4, m) for m in MODES]
+         + [("qwen2", "ngram", 1, "FULL_AND_PIECEWISE"),
+            ("qwen3", "draft_model", 1, "FULL_DECODE_ONLY"),
+            ("smollm2", "ngram", 3, "FULL_DECODE_ONLY"),
+            ("smollm2", "eagle", 2, "FULL_AND_PIECEWISE")])
+REPETITIVE = "1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2,"
+
+
+def speculative_config(family: str, method: str, k: int) -> dict:
+    config = {"method": method, "num_speculative_tokens": k}
+    if method == "ngram":
+        config.update(prompt_lookup_min=2, prompt_lookup_max=4)
+    elif method == "draft_model":  # the model itself: its drafts are the target's own choices
+        config["model"] = model_path(family)
+    else:  # a random-weight EAGLE head: drafts are rarely accepted, output must not change
+        config["model"] = eagle_head_dir(model_path(family))
+    return config
+
+
+def spec_metrics(llm) -> dict:
+    return {m.name.removeprefix("vllm:spec_decode_"): m.value for m in llm.get_metrics()
+            if m.name.startswith("vllm:spec_decode_num") and hasattr(m, "value")}
+
+
+@pytest.fixture(scope="module", params=CASES, ids=lambda c: "-".join(map(str, c)))
+def spec_llm(request):
+    family, method, k, mode = request.param
+    graphs = ({"enforce_eager": True} if mode == "NONE"
+              else {"compilation_config": {"cudagraph_mode": mode}})
+    with engine(model_path(family), max_num_seqs=MAX_NUM_SEQS, disable_log_stats=False,
+                speculative_config=speculative_config(family, method, k), **graphs) as llm:
+        yield family, method, k, mode, llm
+
+
+def draft_layers(llm) -> int:
+    draft = llm.llm_engine.vllm_config.speculative_config.draft_model_config
+    return draft.hf_config.num_hidden_layers if draft is not None else 0
+
+
+def test_capture_sizes_are_multiples_of_k_plus_1_and_the_drafter_captures(spec_llm):
+    family, method, k, mode, llm = spec_llm
+    cc = llm.llm_engine.vllm_config.compilation_config
+    assert cc.cudagraph_mode.name == mode
+    assert all(size % (k + 1) == 0 for size in cc.cudagraph_capture_sizes)
+    counts = graph_counts(llm)
+    drafter = counts.get("drafter", {}).get("captured", {})
+    if method != "ngram" and "PIECEWISE" in mode:
+        # vLLM captures drafters in PIECEWISE: one graph per piece of its model per size.
+        assert drafter == {"PIECEWISE": (draft_layers(llm) + 1) * len(cc.cudagraph_capture_sizes)}
+    else:
+        assert drafter == {}
+    assert counts["streams_in_use"] == sum(counts["captured"].values())
+
+
+def test_greedy_output_equals_non_speculative_with_graph_replays(spec_llm):
+    family, method, k, mode, llm = spec_llm
+    if method == "ngram":  # n-gram drafts only where the text repeats itself
+        prompts = [REPETITIVE] if family == "smollm2" else [REPETITIVE, *PROMPTS[:2]]
+    else:
+        prompts = PROMPTS
+    n = max_tokens_for(family)
+    before = spec_metrics(llm)
+    with replays(llm) as made:
+        outs = vllm_greedy(llm, prompts, n)
+    for prompt, out in zip(prompts, outs):
+        check_logprobs_close(hf_greedy(model_path(family), prompt, n), out,
+                             f"{family} {method} k={k} {mode} {prompt!r}")
+    metrics = {name: value - before.get(name, 0) for name, value in spec_metrics(llm).items()}
+    assert metrics["num_drafts"] > 0 and metrics["num_draft_tokens"] > 0, metrics
+    if method == "draft_model" or (method == "ngram" and family == "smollm2"):
+        # Drafts the target agrees with: almost all are accepted (a broken verify step or
+        # drafter would reject them).
+        assert metrics["num_accepted_tokens"] >= 0.8 * metrics["num_draft_tokens"], metrics
+
+    if mode == "NONE":
+        assert made["replayed"] == {} and made["drafter_replayed"] == {}
+        return
+    max_size = llm.llm_engine.vllm_config.compilation_config.max_cudagraph_capture_size
+    layers = llm.llm_engine.vllm_config.model_config.hf_config.num_hidden_layers
+    assert made["replayed"] == expected_replays(mode, made["steps"], layers, max_size,
+                                                decode_query_len=k + 1), made
+    verify_steps = [s for s in made["steps"] if s[0] == s[1] * (k + 1)]
+    if "FULL" in mode and method != "ngram" or family == "smollm2" and method == "ngram":
+        # The drafter drafts K tokens for every request: each verify step is a uniform batch
+        # of K + 1 tokens per request, and replays a FULL graph (PIECEWISE pieces otherwise).
+        assert verify_steps and made["replayed"], made
+    if method != "ngram" and "PIECEWISE" in mode:
+        assert made["drafter_replayed"].get("PIECEWISE", 0) > 0, made
+        assert made["drafter_replayed"]["PIECEWISE"] % (draft_layers(llm) + 1) == 0, made
+    if len(prompts) == 3 and method != "ngram" and mode == "FULL_DECODE_ONLY":
+        # Three requests of K + 1 tokens fall between capture sizes: the runner pads the batch
+        # with whole fake requests of K + 1 tokens and replays the next larger FULL graph.
+        sizes = llm.llm_engine.vllm_config.compilation_config.cudagraph_capture_sizes
+        assert 3 * (k + 1) not in sizes and (3 * (k + 1), 3) in verify_steps, (sizes, made)
+
+
+def test_capture_sizes_breaking_the_k_plus_1_rule_fail_at_start_with_the_fix():
+    with pytest.raises(Exception) as failure:
+        with engine(model_path("llama"), speculative_config=speculative_config("llama", "ngram", 3),
+                    compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY",
+                                        "cudagraph_capture_sizes": [1, 2, 3]}):
+            pass
+    message = str(failure.value)
+    assert "multiple of 1 + num_speculative_tokens = 4" in message
+    assert "[4, 8, 16, 32]" in message  # the fix: sizes that are multiples
+
+
+def test_more_than_16_query_tokens_per_request_fail_at_start():
+    with pytest.raises(Exception) as failure:
+        with engine(model_path("llama"), enforce_eager=True,
+                    speculative_config=speculative_config("llama", "ngram", 16)):
+            pass
+    assert "at most 16 per request" in str(failure.value)
+    assert "num_speculative_tokens <= 15" in str(failure.value)
