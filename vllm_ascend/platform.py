@@ -132,6 +132,13 @@ class NPUPlatform(Platform):
         return f"{AscendAttentionBackend.__module__}.{AscendAttentionBackend.__qualname__}"
 
     @classmethod
+    def use_custom_op_collectives(cls) -> bool:
+        # As upstream vllm-ascend: collectives stay opaque vllm:: ops in the compiled pieces and
+        # run through the device communicator (torch.distributed on the device group), which
+        # ACL graphs capture. Traced inline, Dynamo would turn them into functional collectives.
+        return True
+
+    @classmethod
     def get_device_communicator_cls(cls) -> str:
         if device.current.name == "sim":
             return "vllm.distributed.device_communicators.cpu_communicator.CpuCommunicator"
@@ -156,6 +163,9 @@ class NPUPlatform(Platform):
                 "Ascend: the fused infer attention operator computes in bfloat16 or float16 only. "
                 "Pass dtype='bfloat16' (--dtype bfloat16), or leave it 'auto', which runs a "
                 "float32 checkpoint in bfloat16.")
+        # The engine core cleans up the device at shutdown even when its workers are other
+        # processes (tensor parallelism): it needs the device's process set-up too.
+        device.current.prepare_process()
         parallel_config = vllm_config.parallel_config
         if parallel_config.worker_cls == "auto":
             parallel_config.worker_cls = "vllm_ascend.worker.worker.NPUWorker"

@@ -286,3 +286,68 @@ def test_updated_host_values_are_checked_at_replay():
     a.update(40)  # more KV than the block table's one block holds
     with pytest.raises(Exception, match=r"block table shape should be \[1, >=3\]"):
         a.graph.replay()
+
+
+def test_boolean_operators_replay_on_new_inputs():
+    # torch's `__and__`/`__or__` bindings accept out= yet write nothing (NotImplemented): the
+    # replay must not take them for out= kernels (vLLM's vocabulary-parallel embedding masks
+    # its token ids with & and |).
+    x = torch.zeros(4, dtype=torch.int64)
+
+    def mask(ids):
+        inside = (ids >= 100) & (ids < 200)
+        return inside | (ids == 7), ~inside
+
+    g, (either, outside) = capture(mask, x)
+    x.copy_(torch.tensor([5, 150, 7, 250]))
+    g.replay()
+    assert either.tolist() == [False, True, True, False]
+    assert outside.tolist() == [True, False, True, True]
+
+
+def _collective_rank(rank, port, results):
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed import _functional_collectives as funcol
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    x = torch.full((4,), float(rank + 1))
+    streams_before = npu.streams_in_use()
+
+    def reduce(t):
+        y = t * 10
+        dist.all_reduce(y)
+        return y + 1
+
+    g, out = capture(reduce, x)
+    streams = npu.streams_in_use() - streams_before
+    x.fill_(rank + 2)  # the replay must reduce the new values of both ranks
+    g.replay()
+    npu.synchronize()
+    g.reset()
+    try:
+        capture(lambda t: funcol.all_reduce(t, "sum", dist.group.WORLD), x)
+        functional = "captured"
+    except GraphCaptureError as e:
+        functional = str(e)
+    results[rank] = (out.tolist(), streams, npu.streams_in_use() - streams_before, functional)
+    dist.destroy_process_group()
+
+
+def test_a_captured_all_reduce_is_replayed_and_its_group_costs_a_stream():
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = mp.Manager().dict()
+    mp.spawn(_collective_rank, args=(port, results), nprocs=2)
+    for rank in (0, 1):
+        out, streams, after_reset, functional = results[rank]
+        assert out == [10.0 * (2 + 3) + 1] * 4  # reduced at replay, not the capture's values
+        assert streams == 2 and after_reset == 0  # the graph's stream, and its group's
+        assert "functional collectives" in functional and "torch.distributed" in functional

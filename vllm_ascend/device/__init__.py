@@ -71,7 +71,7 @@ class Backend:
                 if self.torch_npu.npu.is_initialized() else None)
 
     def prepare_process(self) -> None:
-        """Called once per worker process before the model runner is built."""
+        """Called in each process that configures an engine or runs a worker (idempotent)."""
 
 
 class NpuBackend(Backend):

@@ -31,6 +31,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 STREAM_EXHAUSTED_CODE = 207008
 _RECORDED_NAMESPACES = {"aten", "prims", "ascend_sim"}
+_UNCAPTURABLE_NAMESPACES = {"_c10d_functional", "_c10d_functional_autograd", "c10d_functional"}
 # Allocations whose contents are undefined: nothing to redo on replay.
 _NO_REPLAY = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
               torch.ops.aten.empty_like.default, torch.ops.aten.new_empty.default}
@@ -127,6 +128,18 @@ class _Recorder(TorchDispatchMode):
                 "a host synchronisation (.item() / bool(tensor)) happened during graph capture; "
                 "on the chip this fails the capture. Move the host read out of the captured "
                 "region (compute it before the forward) or run this model eagerly.")
+        if func.namespace == "c10d":
+            # A collective (torch.distributed on the device's process group): recorded whole,
+            # as the chip captures an HCCL collective; replay issues it again and waits for it.
+            out = func(*args, **kwargs)
+            self.nodes.append(_Node(func, args, kwargs, out, self.group))
+            return out
+        if func.namespace in _UNCAPTURABLE_NAMESPACES:
+            raise GraphCaptureError(
+                f"{func} was issued during graph capture: functional collectives complete "
+                "asynchronously into tensors the graph pool reuses, and are not captured. Issue "
+                "collectives through torch.distributed on the process group (in place), as "
+                "vLLM's device communicator does, or run this model eagerly.")
         if func.namespace not in _RECORDED_NAMESPACES:
             # Implemented in Python: record the device ops it issues, not the call itself.
             with self:
@@ -174,10 +187,13 @@ def _binding_with_out(func, args, kwargs, targets):
         return None
     try:
         expected = func(*args, **kwargs)
-        fn(*args, **kwargs, out=targets[0])
+        written = fn(*args, **kwargs, out=targets[0])
     except Exception:
         return None
-    if not isinstance(expected, torch.Tensor) or not torch.equal(expected, targets[0]):
+    # The binding must write into out= and return it: some (__and__, __or__) accept out= and
+    # return NotImplemented without writing, while the target still holds the captured value.
+    if written is not targets[0] or not isinstance(expected, torch.Tensor) or \
+            not torch.equal(expected, targets[0]):
         return None
     return fn
 
@@ -226,6 +242,7 @@ class SimGraph:
     def __init__(self, streams: StreamPool):
         self._streams = streams
         self._holds_stream = False
+        self._extra_streams = 0  # one per communication group captured
         self._recorder: _Recorder | None = None
         self._next_group = 0
         self._inference = False
@@ -332,6 +349,7 @@ class SimGraph:
             return x
 
         segments, calls = [], []
+        groups: set[str] = set()  # the communication groups the graph's collectives use
         ctx = torch.inference_mode() if self._inference else contextlib.nullcontext()
         with ctx:
             for entry in frozen:
@@ -343,15 +361,25 @@ class SimGraph:
                     calls.append((entry.fn, (), {}, None))
                     continue
                 kind, func, args, kwargs, outs, group = entry
-                if kind == "view" or (kind == "compute" and func in _NO_REPLAY):
+                if func.namespace != "c10d" and (
+                        kind == "view" or (kind == "compute" and func in _NO_REPLAY)):
                     continue  # views are resolved once; undefined allocations need no work
                 args, kwargs = tree_map(real, args), tree_map(real, kwargs)
-                if kind == "mutate":
+                if func.namespace == "c10d":
+                    calls.append((_collective(func), args, kwargs, group))
+                    groups.update(_group_name(a) for a in tree_flatten((args, kwargs))[0]
+                                  if isinstance(a, torch.ScriptObject) and
+                                  "ProcessGroup" in str(a._type()))
+                elif kind == "mutate":
                     calls.append((func, args, kwargs, group))
                 else:
                     calls.append(self._compute_call(func, args, kwargs,
                                                     [real(o) for o in outs], group))
         segments.append((calls, None))
+        # As on the chip, each communication group captured in a graph costs it one more stream.
+        for _ in groups:
+            self._streams.acquire()
+            self._extra_streams += 1
         self.segments = segments
         self._group_calls = {}
         for s, (seg_calls, _) in enumerate(segments):
@@ -413,7 +441,12 @@ class SimGraph:
             for s in range(start, len(self.segments)):
                 calls, wait = self.segments[s]
                 for fn, args, kwargs, _ in calls:
-                    fn(*args, **kwargs)
+                    try:
+                        fn(*args, **kwargs)
+                    except Exception as e:
+                        raise GraphReplayError(
+                            f"replaying {getattr(fn, 'func', fn)} failed: {e}; its arguments: "
+                            f"{_describe(args)} {_describe(kwargs)}") from e
                 if wait is not None and not wait.consume_for(self, s + 1):
                     return s + 1
         return None
@@ -424,6 +457,9 @@ class SimGraph:
         if self._holds_stream:
             self._holds_stream = False
             self._streams.release()
+        while self._extra_streams:
+            self._extra_streams -= 1
+            self._streams.release()
 
     def __del__(self):
         try:
@@ -431,6 +467,25 @@ class SimGraph:
         except Exception:
             pass
 
+
+
+def _describe(tree) -> str:
+    return str(tree_map(lambda x: f"tensor{tuple(x.shape)}:{x.dtype}" if isinstance(
+        x, torch.Tensor) else x, tree))
+
+
+def _group_name(process_group: torch.ScriptObject) -> str:
+    # The dispatcher passes each call a fresh wrapper of the same c10d ProcessGroup.
+    return torch._C._distributed_c10d.ProcessGroup.unbox(process_group).group_name
+
+
+def _collective(func):
+    """A replayed collective: issue it again and wait for its completion (its Work)."""
+    def run(*args, **kwargs):
+        for x in tree_flatten(func._op(*args, **kwargs))[0]:
+            if isinstance(x, torch.ScriptObject) and "Work" in str(x._type()):
+                x.wait()
+    return run
 
 
 def _to_slots(nodes: list):
