@@ -443,10 +443,10 @@ class SimGraph:
                 for fn, args, kwargs, _ in calls:
                     try:
                         fn(*args, **kwargs)
-                    except Exception as e:
-                        raise GraphReplayError(
-                            f"replaying {getattr(fn, 'func', fn)} failed: {e}; its arguments: "
-                            f"{_describe(args)} {_describe(kwargs)}") from e
+                    except Exception as e:  # the op's own error, saying which replayed op
+                        e.add_note(f"while replaying {getattr(fn, 'func', fn)} with "
+                                   f"{_describe(args)} {_describe(kwargs)}")
+                        raise
                 if wait is not None and not wait.consume_for(self, s + 1):
                     return s + 1
         return None
