@@ -296,7 +296,9 @@ class NPUPlatform(Platform):
             list(cc.cudagraph_capture_sizes or []), mode,
             model_config.get_num_layers(parallel),
             tensor_parallel=parallel.tensor_parallel_size,
-            data_parallel=parallel.data_parallel_size,
+            # vLLM runs the data-parallel ranks of a dense model as independent engines: their
+            # graphs capture no DP group (only MoE layers communicate across DP ranks).
+            data_parallel=parallel.data_parallel_size if model_config.is_moe else 1,
             draft_layers=draft.get_num_layers(parallel) if draft is not None else 0,
             multiple_of=multiple,
             stream_total=int(extra.get("graph_stream_total", device.current.stream_budget())),
