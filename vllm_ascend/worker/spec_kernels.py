@@ -1,10 +1,11 @@
 """Torch implementations of the Triton kernels vLLM's speculative decoding launches: the
-rejection sampler's four and the EAGLE/draft-model proposer's three (no Triton on Ascend).
+rejection sampler's four and the EAGLE/draft-model proposer's four (no Triton on Ascend).
 
 Each function takes the Triton kernel's own parameter names, so vLLM's kernel dispatcher
 (`vllm.triton_utils.dispatcher.register_kernels`) forwards the launch by keyword. The batch
 size, which the kernels read from their launch grid, comes from the tensors here. Everything
-is vectorised over the batch: no per-request host loop, no device-to-host read.
+is vectorised over the batch, with no per-request host loop; a few steps index by data-dependent
+sizes (nonzero, repeat_interleave), which on a chip read a size back to the host.
 """
 
 import torch
