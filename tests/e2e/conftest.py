@@ -91,7 +91,8 @@ def replays(llm):
     """Yields a dict that, at exit, holds the model's graph replays made inside the block
     ("replayed": runtime mode -> count), a speculative drafter's ("drafter_replayed"), and the
     steps the engine ran meanwhile ("steps": (scheduled tokens, scheduled requests) per step,
-    from the runner's record)."""
+    from the runner's record), for the first worker; "ranks" holds the same for every worker
+    (tensor and pipeline parallelism)."""
     def mark(worker):
         state = worker.model_runner.graph_state
         state.recent_steps.clear()
@@ -106,13 +107,16 @@ def replays(llm):
         return collections.Counter(after) - collections.Counter(before)
 
     result: dict = {}
-    before, drafter_before = llm.collective_rpc(mark)[0]
+    before = llm.collective_rpc(mark)
     yield result
-    after, drafter_after, steps = llm.collective_rpc(read)[0]
-    drafter = delta(drafter_after, drafter_before)
-    result["replayed"] = dict(delta(after, before) - drafter)
-    result["drafter_replayed"] = dict(drafter)
-    result["steps"] = [tuple(step) for step in steps]  # (the RPC returns lists)
+    ranks = []
+    for (was, drafter_was), (after, drafter_after, steps) in zip(before,
+                                                                 llm.collective_rpc(read)):
+        drafter = delta(drafter_after, drafter_was)
+        ranks.append({"replayed": dict(delta(after, was) - drafter),
+                      "drafter_replayed": dict(drafter),
+                      "steps": [tuple(step) for step in steps]})  # (the RPC returns lists)
+    result.update(ranks[0], ranks=ranks)
 
 
 def expected_replays(mode: str, steps, num_layers: int, max_size: int,

@@ -5,7 +5,7 @@ tensor-parallel group, and greedy output equals HF transformers' (TP=1) greedy o
 import pytest
 
 from tests.e2e.conftest import (PROMPTS, check_logprobs_close, engine, expected_replays,
-                                hf_greedy, max_tokens_for, model_path, vllm_greedy)
+                                hf_greedy, max_tokens_for, model_path, replays, vllm_greedy)
 
 MODE = "FULL_AND_PIECEWISE"  # FULL graphs for decode steps, PIECEWISE for the rest
 
@@ -17,34 +17,19 @@ def tp2_llm():
         yield llm
 
 
-def per_rank(llm, fn):
-    return llm.collective_rpc(fn)
-
-
 def test_tp2_greedy_output_equals_tp1_with_graph_replays_on_every_rank(tp2_llm):
-    def mark(worker):
-        state = worker.model_runner.graph_state
-        state.recent_steps.clear()
-        return dict(state.replayed)
-
-    def read(worker):
-        state = worker.model_runner.graph_state
-        return dict(state.replayed), [(s.num_tokens, s.num_reqs) for s in state.recent_steps]
-
-    before = per_rank(tp2_llm, mark)
     n = max_tokens_for("llama")
-    outs = vllm_greedy(tp2_llm, PROMPTS, n)
+    with replays(tp2_llm) as made:
+        outs = vllm_greedy(tp2_llm, PROMPTS, n)
     for prompt, out in zip(PROMPTS, outs):
         check_logprobs_close(hf_greedy(model_path("llama"), prompt, n), out, f"TP=2 {prompt!r}")
     config = tp2_llm.llm_engine.vllm_config
     layers = config.model_config.hf_config.num_hidden_layers
     max_size = config.compilation_config.max_cudagraph_capture_size
-    after = per_rank(tp2_llm, read)
-    assert len(after) == 2
-    for rank, ((replayed, steps), was) in enumerate(zip(after, before)):
-        made = {m: k - was.get(m, 0) for m, k in replayed.items() if k != was.get(m, 0)}
-        expected = expected_replays(MODE, [tuple(s) for s in steps], layers, max_size)
-        assert made == expected and made.get("FULL"), (rank, made, steps)
+    assert len(made["ranks"]) == 2
+    for rank, made_here in enumerate(made["ranks"]):
+        expected = expected_replays(MODE, made_here["steps"], layers, max_size)
+        assert made_here["replayed"] == expected and expected.get("FULL"), (rank, made_here)
 
 
 def test_each_graph_holds_a_stream_for_the_tensor_parallel_group(tp2_llm):
@@ -54,5 +39,5 @@ def test_each_graph_holds_a_stream_for_the_tensor_parallel_group(tp2_llm):
         return (sum(worker.model_runner.graph_state.captured.values()),
                 device.current.streams_in_use())
 
-    for graphs, streams in per_rank(tp2_llm, probe):
+    for graphs, streams in tp2_llm.collective_rpc(probe):
         assert graphs > 0 and streams == 2 * graphs  # the graph's own, and its TP group's

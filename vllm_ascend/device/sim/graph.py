@@ -361,11 +361,12 @@ class SimGraph:
                     calls.append((entry.fn, (), {}, None))
                     continue
                 kind, func, args, kwargs, outs, group = entry
-                if func.namespace != "c10d" and (
-                        kind == "view" or (kind == "compute" and func in _NO_REPLAY)):
+                if func.namespace == "c10d":
+                    kind = "collective"  # in place on its inputs, whatever its schema says
+                elif kind == "view" or (kind == "compute" and func in _NO_REPLAY):
                     continue  # views are resolved once; undefined allocations need no work
                 args, kwargs = tree_map(real, args), tree_map(real, kwargs)
-                if func.namespace == "c10d":
+                if kind == "collective":
                     calls.append((_collective(func), args, kwargs, group))
                     groups.update(_group_name(a) for a in tree_flatten((args, kwargs))[0]
                                   if isinstance(a, torch.ScriptObject) and
