@@ -8,6 +8,7 @@ import torch
 from vllm.compilation.cuda_graph import CUDAGraphWrapper
 from vllm.compilation.monitor import set_cudagraph_capturing_enabled
 from vllm.config import CUDAGraphMode
+from vllm.distributed import get_pp_group, get_tp_group
 from vllm.forward_context import get_forward_context
 from vllm.utils.platform_utils import is_pin_memory_available
 from vllm.v1.kv_cache_interface import AttentionSpec
@@ -181,13 +182,20 @@ class NPUModelRunner(GPUModelRunner):
         drafter = sum(self.graph_state.drafter_captured.values())
         streams = backend.streams_in_use()
         logger.info(
-            "vllm-ascend: graph mode %s: captured %d graphs%s (%s) in %.1f s, %.2f GiB; streams "
-            "used %s of %d", mode.name, graphs,
+            "vllm-ascend: graph mode %s%s: captured %d graphs%s (%s) in %.1f s, %.2f GiB; streams "
+            "used %s of %d", mode.name, self._rank_label(), graphs,
             f", {drafter} of them the speculative drafter's" if drafter else "",
             "; ".join(f"{m} sizes {sorted(set(v))}" for m, v in sizes.items()), elapsed,
             used / (1 << 30), streams if streams is not None else f"{graphs} (one per graph)",
             backend.stream_budget())
         return used
+
+    def _rank_label(self) -> str:
+        """Which rank this summary is for, when the model is split across ranks."""
+        groups = (("TP", get_tp_group()), ("PP", get_pp_group()))
+        parts = [f"{name} rank {g.rank_in_group} of {g.world_size}" for name, g in groups
+                 if g.world_size > 1]
+        return f" on {', '.join(parts)}" if parts else ""
 
     def _determine_batch_execution_and_padding(self, num_tokens, num_reqs,
                                                num_scheduled_tokens_np,
