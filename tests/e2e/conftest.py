@@ -5,8 +5,13 @@ import contextlib
 import functools
 import gc
 import os
+import socket
+import subprocess
+import sys
+import time
 
 import pytest
+import requests
 
 os.environ.setdefault("VLLM_ASCEND_SIM_MEMORY_GB", "2")  # small simulated device: fast KV alloc
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(callable)
@@ -210,3 +215,61 @@ def check_against_hf(llm, family, prompts=PROMPTS, label=""):
 @pytest.fixture(scope="session")
 def paths():
     return {f: model_path(f) for f in FAMILIES}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def vllm_server(model: str, name: str, *args: str, start_s: int = 300):
+    """``vllm serve model --served-model-name name *args`` on 127.0.0.1, as a user starts it;
+    yields (base URL, start-up log) once /health answers."""
+    port = free_port()
+    log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"vllm-serve-{port}.log"), "w+")
+    cmd = [os.path.join(os.path.dirname(sys.executable), "vllm"), "serve", model,
+           "--host", "127.0.0.1", "--port", str(port), "--served-model-name", name,
+           "--seed", "0", *args]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "VLLM_ASCEND_SIM_MEMORY_GB": "2"})
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + start_s
+    try:
+        while time.time() < deadline:
+            if proc.poll() is not None:
+                log.seek(0)
+                pytest.fail(f"vllm serve exited with {proc.returncode}:\n{log.read()[-4000:]}")
+            try:
+                if requests.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            time.sleep(1)
+        else:
+            pytest.fail(f"vllm serve did not become healthy in {start_s} s")
+        log.seek(0)
+        yield base, log.read()
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def served_completion(base: str, name: str, prompt: str, max_tokens: int, headers=None):
+    """(tokens, [top-k {token: logprob}]) of a greedy /v1/completions answer."""
+    r = requests.post(f"{base}/v1/completions", timeout=120, headers=headers, json={
+        "model": name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        "ignore_eos": True, "logprobs": TOPK, "return_tokens_as_token_ids": True})
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]
+    return ([token_id(t) for t in lp["tokens"]],
+            [{token_id(t): v for t, v in top.items()} for top in lp["top_logprobs"]])
+
+
+def token_id(token: str) -> int:
+    return int(token.removeprefix("token_id:"))

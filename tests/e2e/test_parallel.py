@@ -1,43 +1,89 @@
-"""Tensor parallelism in graph mode, through vLLM's multiprocessing executor with gloo: the
-collectives inside captured graphs are replayed, each rank's graphs hold a stream for the
-tensor-parallel group, and greedy output equals HF transformers' (TP=1) greedy output."""
+"""Tensor and pipeline parallelism in every graph mode, through vLLM's multiprocessing executor
+with gloo: greedy output equals HF transformers' (TP=1) greedy output, every rank replays the
+graphs its steps call for (the collectives inside them included), and each graph holds the
+streams its communication groups cost. Data parallelism: test_serve_parallel.py."""
 
 import pytest
 
 from tests.e2e.conftest import (PROMPTS, check_logprobs_close, engine, expected_replays,
                                 hf_greedy, max_tokens_for, model_path, replays, vllm_greedy)
 
-MODE = "FULL_AND_PIECEWISE"  # FULL graphs for decode steps, PIECEWISE for the rest
+# NONE (eager) is what each of these engines runs for a step above the largest capture size, as
+# the prefill of these prompts is: every engine here checks eager collectives too.
+MODES = ["PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]
+LAYOUTS = {"TP=2": {"tensor_parallel_size": 2}, "PP=2": {"pipeline_parallel_size": 2}}
+CAPTURE_SIZES = [1, 2, 4]
 
 
-@pytest.fixture(scope="module")
-def tp2_llm():
-    with engine(model_path("llama"), tensor_parallel_size=2, distributed_executor_backend="mp",
-                max_num_seqs=4, compilation_config={"cudagraph_mode": MODE}) as llm:
-        yield llm
+@pytest.fixture(scope="module", params=[(layout, mode) for layout in LAYOUTS for mode in MODES],
+                ids=lambda p: f"{p[0]}-{p[1]}")
+def parallel_llm(request):
+    layout, mode = request.param
+    with engine(model_path("llama"), distributed_executor_backend="mp", max_num_seqs=4,
+                compilation_config={"cudagraph_mode": mode,
+                                    "cudagraph_capture_sizes": CAPTURE_SIZES},
+                **LAYOUTS[layout]) as llm:
+        yield layout, mode, llm
 
 
-def test_tp2_greedy_output_equals_tp1_with_graph_replays_on_every_rank(tp2_llm):
+def rank_layers(llm) -> list[int]:
+    """The decoder layers each rank holds (all of them under TP, its stage's under PP)."""
+    def probe(worker):
+        runner = worker.model_runner
+        return runner.model_config.get_num_layers(runner.parallel_config)
+
+    return llm.collective_rpc(probe)
+
+
+def test_greedy_output_equals_tp1_with_graph_replays_on_every_rank(parallel_llm):
+    layout, mode, llm = parallel_llm
     n = max_tokens_for("llama")
-    with replays(tp2_llm) as made:
-        outs = vllm_greedy(tp2_llm, PROMPTS, n)
+    with replays(llm) as made:
+        outs = vllm_greedy(llm, PROMPTS, n)
     for prompt, out in zip(PROMPTS, outs):
-        check_logprobs_close(hf_greedy(model_path("llama"), prompt, n), out, f"TP=2 {prompt!r}")
-    config = tp2_llm.llm_engine.vllm_config
-    layers = config.model_config.hf_config.num_hidden_layers
-    max_size = config.compilation_config.max_cudagraph_capture_size
+        check_logprobs_close(hf_greedy(model_path("llama"), prompt, n), out,
+                             f"{layout} {mode} {prompt!r}")
     assert len(made["ranks"]) == 2
-    for rank, made_here in enumerate(made["ranks"]):
-        expected = expected_replays(MODE, made_here["steps"], layers, max_size)
-        assert made_here["replayed"] == expected and expected.get("FULL"), (rank, made_here)
+    for rank, (made_here, layers) in enumerate(zip(made["ranks"], rank_layers(llm))):
+        assert len(made_here["steps"]) >= n, (rank, made_here)  # a step per token, at least
+        expected = expected_replays(mode, made_here["steps"], layers, max(CAPTURE_SIZES))
+        assert made_here["replayed"] == expected, (rank, made_here)
+        assert expected, (rank, made_here)  # its decode steps replay graphs
+        assert any(tokens > max(CAPTURE_SIZES) for tokens, _ in made_here["steps"])  # eager
 
 
-def test_each_graph_holds_a_stream_for_the_tensor_parallel_group(tp2_llm):
+def test_each_graph_holds_a_stream_per_communication_group_it_captured(parallel_llm):
+    layout, mode, llm = parallel_llm
+
     def probe(worker):
         from vllm_ascend import device
 
         return (sum(worker.model_runner.graph_state.captured.values()),
                 device.current.streams_in_use())
 
-    for graphs, streams in tp2_llm.collective_rpc(probe):
-        assert graphs > 0 and streams == 2 * graphs  # the graph's own, and its TP group's
+    # TP: the graph's own stream and its TP group's (an all-reduce per layer is captured).
+    # PP: the graph's own only (a stage sends and receives between steps, outside graphs).
+    per_graph = 2 if layout == "TP=2" else 1
+    for rank, (graphs, streams) in enumerate(llm.collective_rpc(probe)):
+        assert graphs > 0 and streams == per_graph * graphs, (rank, graphs, streams)
+
+
+@pytest.mark.parametrize("data_parallel_size", [1, 2])
+def test_a_mixture_of_experts_model_is_refused_at_start_up(tmp_path, data_parallel_size):
+    import transformers
+    from vllm.engine.arg_utils import EngineArgs
+
+    transformers.Qwen3MoeConfig(
+        architectures=["Qwen3MoeForCausalLM"], hidden_size=64, intermediate_size=128,
+        moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, num_experts=4, num_experts_per_tok=2,
+        vocab_size=49152).save_pretrained(tmp_path)
+    data_parallel = (r", and so no data parallelism for MoE \(data_parallel_size=2\)"
+                     if data_parallel_size > 1 else "")
+    with pytest.raises(ValueError, match=(
+            r"Qwen3MoeForCausalLM is a mixture-of-experts model \(4 experts\), which "
+            r"vllm-ascend does not support yet: it has no Ascend fused-MoE kernel"
+            + data_parallel + r"\. Serve a dense model; the supported families are "
+            r"LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM")):
+        EngineArgs(str(tmp_path), tokenizer=model_path("llama"), max_model_len=256,
+                   data_parallel_size=data_parallel_size).create_engine_config()
