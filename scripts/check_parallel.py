@@ -40,7 +40,8 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--pipeline-parallel-size", type=int, default=1)
-    parser.add_argument("--family", default="llama", choices=["llama", "qwen2", "qwen3", "smollm2"])
+    parser.add_argument("--family", default="llama",
+                        choices=["llama", "qwen2", "qwen3", "smollm2"])
     parser.add_argument("--modes", nargs="+", default=MODES, choices=MODES)
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ASCEND_SIM_MEMORY_GB", "1")  # one simulated device per worker
