@@ -13,26 +13,22 @@ MODES = ["PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]
 
 
 def check(mode: str, family: str, tp: int, pp: int) -> None:
-    from tests.e2e.conftest import (PROMPTS, check_logprobs_close, engine, hf_greedy,
-                                    max_tokens_for, model_path, vllm_greedy)
-
-    def probe(worker):
-        from vllm_ascend import device
-
-        state = worker.model_runner.graph_state
-        return dict(state.captured), dict(state.replayed), device.current.streams_in_use()
+    from tests.e2e.conftest import (PROMPTS, check_logprobs_close, engine,
+                                    graph_counts_per_rank, hf_greedy, max_tokens_for,
+                                    model_path, vllm_greedy)
 
     n = max_tokens_for(family)
     with engine(model_path(family), tensor_parallel_size=tp, pipeline_parallel_size=pp,
                 distributed_executor_backend="mp", max_num_seqs=4, compilation_config={
                     "cudagraph_mode": mode, "cudagraph_capture_sizes": [1, 2, 4]}) as llm:
         outs = vllm_greedy(llm, PROMPTS, n)
-        ranks = llm.collective_rpc(probe)
+        ranks = graph_counts_per_rank(llm)
     for prompt, out in zip(PROMPTS, outs):
         check_logprobs_close(hf_greedy(model_path(family), prompt, n), out, f"{mode} {prompt!r}")
     print(f"{mode}: {len(PROMPTS)} of {len(PROMPTS)} answers close to HF transformers'")
-    for rank, (captured, replayed, streams) in enumerate(ranks):
-        print(f"  rank {rank}: captured {captured}, replayed {replayed}, streams {streams}")
+    for rank, counts in enumerate(ranks):
+        print(f"  rank {rank}: captured {counts['captured']}, replayed {counts['replayed']}, "
+              f"streams {counts['streams_in_use']}")
 
 
 def main() -> None:

@@ -79,16 +79,21 @@ def engine(model: str, multiprocess: bool = False, **kwargs):
         gc.collect()
 
 
-def graph_counts(llm) -> dict:
-    """This engine's graphs (its runner's GraphState): captured and replayed per runtime mode,
-    and the device's streams in use."""
+def graph_counts_per_rank(llm) -> list[dict]:
+    """Each worker's graphs (its runner's GraphState): captured and replayed per runtime mode,
+    and its device's streams in use."""
     def probe(worker):
         from vllm_ascend import device
 
         counts = worker.model_runner.graph_state.counts()
         return {**counts, "streams_in_use": device.current.streams_in_use()}
 
-    return llm.collective_rpc(probe)[0]
+    return llm.collective_rpc(probe)
+
+
+def graph_counts(llm) -> dict:
+    """graph_counts_per_rank of the first worker (the only one without parallelism)."""
+    return graph_counts_per_rank(llm)[0]
 
 
 @contextlib.contextmanager

@@ -6,7 +6,8 @@ streams its communication groups cost. Data parallelism: test_serve_parallel.py.
 import pytest
 
 from tests.e2e.conftest import (PROMPTS, check_logprobs_close, engine, expected_replays,
-                                hf_greedy, max_tokens_for, model_path, replays, vllm_greedy)
+                                graph_counts_per_rank, hf_greedy, max_tokens_for, model_path,
+                                replays, vllm_greedy)
 
 # NONE (eager) is what each of these engines runs for a step above the largest capture size, as
 # the prefill of these prompts is: every engine here checks eager collectives too.
@@ -54,18 +55,12 @@ def test_greedy_output_equals_tp1_with_graph_replays_on_every_rank(parallel_llm)
 
 def test_each_graph_holds_a_stream_per_communication_group_it_captured(parallel_llm):
     layout, mode, llm = parallel_llm
-
-    def probe(worker):
-        from vllm_ascend import device
-
-        return (sum(worker.model_runner.graph_state.captured.values()),
-                device.current.streams_in_use())
-
     # TP: the graph's own stream and its TP group's (an all-reduce per layer is captured).
     # PP: the graph's own only (a stage sends and receives between steps, outside graphs).
     per_graph = 2 if layout == "TP=2" else 1
-    for rank, (graphs, streams) in enumerate(llm.collective_rpc(probe)):
-        assert graphs > 0 and streams == per_graph * graphs, (rank, graphs, streams)
+    for rank, counts in enumerate(graph_counts_per_rank(llm)):
+        graphs = sum(counts["captured"].values())
+        assert graphs > 0 and counts["streams_in_use"] == per_graph * graphs, (rank, counts)
 
 
 @pytest.mark.parametrize("data_parallel_size", [1, 2])
