@@ -194,7 +194,7 @@ class NPUPlatform(Platform):
             # Async scheduling overlaps host and device work on separate streams; the simulator
             # runs both on the host, so it would only add copies.
             scheduler_config.async_scheduling = False
-        cls._check_speculative_config(vllm_config.speculative_config)
+        cls._check_speculative_config(vllm_config.speculative_config, parallel_config)
         if vllm_config.speculative_config is not None and scheduler_config.async_scheduling:
             # Under async speculative decoding the host's KV lengths are only an upper bound
             # (vLLM corrects them on the device); FIA takes them as host lists and needs them
@@ -268,7 +268,17 @@ class NPUPlatform(Platform):
         return torch_npu.npu.graph_pool_handle()
 
     @classmethod
-    def _check_speculative_config(cls, spec) -> None:
+    def _check_speculative_config(cls, spec, parallel) -> None:
+        if spec is not None and parallel.pipeline_parallel_size > 1:
+            # vLLM 0.32 makes the drafter on the last stage only, yet every stage's attention
+            # metadata reads it (GPUModelRunner._build_attention_metadata): the first stage
+            # fails in its first forward with an AttributeError, on any device.
+            raise ValueError(
+                f"Speculative decoding ({spec.method}) does not run with "
+                f"pipeline_parallel_size={parallel.pipeline_parallel_size} in vLLM 0.32: the "
+                "drafter exists on the last pipeline stage only, and the other stages fail in "
+                "their first step. Split the model with tensor_parallel_size instead, or turn "
+                "speculative decoding off.")
         k = spec.num_speculative_tokens if spec is not None else None
         if k and 1 + k > FIA_MAX_QUERY_PER_REQUEST:
             raise ValueError(

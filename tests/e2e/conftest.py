@@ -16,7 +16,7 @@ import requests
 os.environ.setdefault("VLLM_ASCEND_SIM_MEMORY_GB", "2")  # small simulated device: fast KV alloc
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(callable)
 
-from scripts.models import smollm2_dir, tiny_model_dir  # noqa: E402
+from scripts.models import eagle_head_dir, smollm2_dir, tiny_model_dir  # noqa: E402
 
 FAMILIES = ["llama", "qwen2", "qwen3", "smollm2"]
 PROMPTS = [
@@ -43,6 +43,18 @@ def model_path(family: str) -> str:
 
 def max_tokens_for(family: str) -> int:
     return 32 if family == "smollm2" else 16
+
+
+def speculative_config(family: str, method: str, k: int) -> dict:
+    """vLLM's speculative_config for ``method`` with ``k`` tokens a step, on ``family``."""
+    config = {"method": method, "num_speculative_tokens": k}
+    if method == "ngram":
+        config.update(prompt_lookup_min=2, prompt_lookup_max=4)
+    elif method == "draft_model":  # the model itself: its drafts are the target's own choices
+        config["model"] = model_path(family)
+    else:  # a random-weight EAGLE head: drafts are rarely accepted, output must not change
+        config["model"] = eagle_head_dir(model_path(family))
+    return config
 
 
 @contextlib.contextmanager

@@ -82,3 +82,16 @@ def test_a_mixture_of_experts_model_is_refused_at_start_up(tmp_path, data_parall
             r"LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM")):
         EngineArgs(str(tmp_path), tokenizer=model_path("llama"), max_model_len=256,
                    data_parallel_size=data_parallel_size).create_engine_config()
+
+
+def test_speculative_decoding_with_pipeline_parallelism_is_refused_at_start_up():
+    from vllm.engine.arg_utils import EngineArgs
+
+    with pytest.raises(ValueError, match=(
+            r"Speculative decoding \(ngram\) does not run with pipeline_parallel_size=2 in vLLM "
+            r"0.32: the drafter exists on the last pipeline stage only, and the other stages "
+            r"fail in their first step. Split the model with tensor_parallel_size instead")):
+        EngineArgs(model_path("llama"), max_model_len=256, pipeline_parallel_size=2,
+                   distributed_executor_backend="mp", speculative_config={
+                       "method": "ngram", "num_speculative_tokens": 3,
+                       "prompt_lookup_min": 2, "prompt_lookup_max": 4}).create_engine_config()

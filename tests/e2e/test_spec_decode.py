@@ -5,10 +5,9 @@ metrics read back."""
 
 import pytest
 
-from scripts.models import eagle_head_dir
 from tests.e2e.conftest import (PROMPTS, check_logprobs_close, engine, expected_replays,
                                 graph_counts, hf_greedy, max_tokens_for, model_path, replays,
-                                vllm_greedy)
+                                speculative_config, vllm_greedy)
 
 MODES = ["NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]
 MAX_NUM_SEQS = 4
@@ -23,17 +22,6 @@ CASES = ([("llama", "ngram", 3, m) for m in MODES]
             ("smollm2", "ngram", 3, "FULL_DECODE_ONLY"),
             ("smollm2", "eagle", 2, "FULL_AND_PIECEWISE")])
 REPETITIVE = "1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2,"
-
-
-def speculative_config(family: str, method: str, k: int) -> dict:
-    config = {"method": method, "num_speculative_tokens": k}
-    if method == "ngram":
-        config.update(prompt_lookup_min=2, prompt_lookup_max=4)
-    elif method == "draft_model":  # the model itself: its drafts are the target's own choices
-        config["model"] = model_path(family)
-    else:  # a random-weight EAGLE head: drafts are rarely accepted, output must not change
-        config["model"] = eagle_head_dir(model_path(family))
-    return config
 
 
 def spec_metrics(llm) -> dict:
