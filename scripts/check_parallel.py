@@ -4,6 +4,7 @@ rank's graphs, replays and streams, in each graph mode asked for.
 
     python scripts/check_parallel.py --tensor-parallel-size 4
     python scripts/check_parallel.py --pipeline-parallel-size 2 --modes FULL_DECODE_ONLY
+    python scripts/check_parallel.py --tensor-parallel-size 2 --speculative eagle
 """
 
 import argparse
@@ -12,15 +13,19 @@ import os
 MODES = ["PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]
 
 
-def check(mode: str, family: str, tp: int, pp: int) -> None:
+def check(mode: str, family: str, tp: int, pp: int, speculative: str | None) -> None:
     from tests.e2e.conftest import (PROMPTS, check_logprobs_close, engine,
                                     graph_counts_per_rank, hf_greedy, max_tokens_for,
-                                    model_path, vllm_greedy)
+                                    model_path, speculative_config, vllm_greedy)
 
     n = max_tokens_for(family)
+    extra, sizes = {}, [1, 2, 4]
+    if speculative:  # K = 3: capture sizes are multiples of 1 + K
+        extra["speculative_config"] = speculative_config(family, speculative, 3)
+        sizes = [4, 8, 16]
     with engine(model_path(family), tensor_parallel_size=tp, pipeline_parallel_size=pp,
                 distributed_executor_backend="mp", max_num_seqs=4, compilation_config={
-                    "cudagraph_mode": mode, "cudagraph_capture_sizes": [1, 2, 4]}) as llm:
+                    "cudagraph_mode": mode, "cudagraph_capture_sizes": sizes}, **extra) as llm:
         outs = vllm_greedy(llm, PROMPTS, n)
         ranks = graph_counts_per_rank(llm)
     for prompt, out in zip(PROMPTS, outs):
@@ -28,7 +33,7 @@ def check(mode: str, family: str, tp: int, pp: int) -> None:
     print(f"{mode}: {len(PROMPTS)} of {len(PROMPTS)} answers close to HF transformers'")
     for rank, counts in enumerate(ranks):
         print(f"  rank {rank}: captured {counts['captured']}, replayed {counts['replayed']}, "
-              f"streams {counts['streams_in_use']}")
+              f"drafter {counts.get('drafter', 'none')}, streams {counts['streams_in_use']}")
 
 
 def main() -> None:
@@ -39,10 +44,13 @@ def main() -> None:
     parser.add_argument("--family", default="llama",
                         choices=["llama", "qwen2", "qwen3", "smollm2"])
     parser.add_argument("--modes", nargs="+", default=MODES, choices=MODES)
+    parser.add_argument("--speculative", choices=["ngram", "draft_model", "eagle"],
+                        help="speculative decoding with this method, 3 tokens a step")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ASCEND_SIM_MEMORY_GB", "1")  # one simulated device per worker
     for mode in args.modes:
-        check(mode, args.family, args.tensor_parallel_size, args.pipeline_parallel_size)
+        check(mode, args.family, args.tensor_parallel_size, args.pipeline_parallel_size,
+              args.speculative)
 
 
 if __name__ == "__main__":
