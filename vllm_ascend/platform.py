@@ -163,25 +163,25 @@ class NPUPlatform(Platform):
                 "Ascend: the fused infer attention operator computes in bfloat16 or float16 only. "
                 "Pass dtype='bfloat16' (--dtype bfloat16), or leave it 'auto', which runs a "
                 "float32 checkpoint in bfloat16.")
+        parallel_config = vllm_config.parallel_config
         if model_config is not None and model_config.is_moe:
             from vllm_ascend.models import FAMILIES
 
             # vLLM's fused-MoE layer has no kernel for this platform (it fails in the first
             # forward), and data parallelism would add vLLM's lockstep MoE path (DP-synchronised
             # padding, dummy batches on idle ranks), which needs that layer.
-            parallel = vllm_config.parallel_config
             raise ValueError(
                 f"{model_config.architecture} is a mixture-of-experts model "
                 f"({model_config.get_num_experts()} experts), which vllm-ascend does not support "
                 "yet: it has no Ascend fused-MoE kernel"
                 + (f", and so no data parallelism for MoE (data_parallel_size="
-                   f"{parallel.data_parallel_size})" if parallel.data_parallel_size > 1 else "")
+                   f"{parallel_config.data_parallel_size})"
+                   if parallel_config.data_parallel_size > 1 else "")
                 + ". Serve a dense model; the supported families are "
                 + ", ".join(sorted(FAMILIES)) + " (docs/adding_a_model.md).")
         # The engine core cleans up the device at shutdown even when its workers are other
         # processes (tensor parallelism): it needs the device's process set-up too.
         device.current.prepare_process()
-        parallel_config = vllm_config.parallel_config
         if parallel_config.worker_cls == "auto":
             parallel_config.worker_cls = "vllm_ascend.worker.worker.NPUWorker"
 
