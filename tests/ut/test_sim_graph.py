@@ -70,13 +70,13 @@ def test_capture_needs_a_non_default_stream():
 
 
 def test_item_and_tolist_during_capture_raise_and_release_the_stream():
-    x = torch.randn(3)
+    x = torch.tensor([1.5, -2.0, 4.0])
     before = npu.streams_in_use()
     with pytest.raises(GraphCaptureError, match=r"host synchronisation \(.item"):
         capture(lambda: (x * 2).sum().item())
     with pytest.raises(GraphCaptureError, match=r"\.tolist\(\)"):
         capture(lambda: (x * 2).tolist())
-    assert x.tolist()  # restored after capture
+    assert x.tolist() == [1.5, -2.0, 4.0] and (x * 2).sum().item() == 7.0  # usable again
     assert npu.streams_in_use() == before
 
 
@@ -236,6 +236,23 @@ def test_a_replay_whose_event_nobody_records_fails_loudly():
     a.update(9, record=False)  # the update without its record: still waiting
     with pytest.raises(GraphReplayError, match="no task update recorded"):
         npu.current_stream().synchronize()
+
+
+def test_after_a_replay_gave_up_waiting_the_next_engine_compiles():
+    """The failing op raised inside the waiting guard's dispatch, where the guard cannot leave
+    the mode stack; the next engine's set_device must clear it, or Dynamo refuses to compile
+    ("non-infra torch dispatch mode present")."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    a = Attention()
+    a.capture(3)
+    a.graph.replay()
+    with pytest.raises(GraphReplayError):
+        _ = a.doubled + 1
+    npu.set_device(torch.device("cpu"))
+    assert _get_current_dispatch_mode() is None
+    compiled = torch.compile(lambda x: x * 2 + 1, backend="eager", fullgraph=True)
+    torch.testing.assert_close(compiled(torch.ones(3)), torch.full((3,), 3.0))
 
 
 def test_an_event_is_recorded_once_per_replay():

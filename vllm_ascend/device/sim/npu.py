@@ -400,7 +400,11 @@ def issue_task_update(func, args: tuple, kwargs: dict) -> None:
 # -- device facts -----------------------------------------------------------------------------
 
 def set_device(device) -> None:
-    pass
+    # A safe point: a guard that a failed wait left on the mode stack (the replay gave up inside
+    # the guard's own dispatch, where it cannot pop itself) would keep Dynamo from compiling the
+    # next engine's model in this process.
+    if not _WAITING:
+        _pop_guard()
 
 
 def get_device_name(device=None) -> str:
