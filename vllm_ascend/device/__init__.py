@@ -119,6 +119,7 @@ class SimBackend(Backend):
         torch.accelerator.empty_cache = empty_cache_noop
         if hasattr(torch.accelerator, "empty_host_cache"):
             torch.accelerator.empty_host_cache = noop
+        self.torch_npu.log_calls_if_requested()
 
 
 def _npu_available() -> tuple[bool, str]:

@@ -4,7 +4,6 @@ graph.py). Only what the product uses is here; anything else is an AttributeErro
 torch_npu has but the simulator does not model is refused rather than ignored.
 """
 
-import os
 import sys
 
 import torch
@@ -114,7 +113,11 @@ class _C:
         return tensor
 
 
-if os.environ.get("VLLM_ASCEND_SIM_CALL_LOG"):  # the simulator's call log (see trace.py)
+def log_calls_if_requested() -> None:
+    """The simulator's call log (trace.py), if VLLM_ASCEND_SIM_CALL_LOG is set."""
     from vllm_ascend.device.sim import trace
 
-    trace.install(sys.modules[__name__], npu)
+    trace.install_if_requested(sys.modules[__name__], npu)
+
+
+log_calls_if_requested()

@@ -1,7 +1,8 @@
 """A log of the torch_npu calls a process makes, for checking them against upstream's call sites.
 
-With ``VLLM_ASCEND_SIM_CALL_LOG=<path>`` set, every call into the simulated torch_npu surface
-appends one JSON line per distinct call shape made from Python (an eager step, attention between
+With ``VLLM_ASCEND_SIM_CALL_LOG=<path>`` set when a process imports the simulator or prepares
+an engine, every call into the simulated torch_npu surface (while the setting stays) appends one
+JSON line per distinct call shape made from Python (an eager step, attention between
 graph pieces, a capture or a task update; a compiled piece calls its ops directly): the API name, and for each argument (positional
 in order, then keywords) its kind: a tensor's dtype, rank and contiguity, a host list, a
 string's value, a stream's state. The simulator's own setting: the product does not know of it.
@@ -41,14 +42,17 @@ def _log(name: str, args, kwargs) -> None:
         # itself, not this wrapper, so only calls made from Python (eager steps, the attention
         # op between pieces, captures and updates) are logged.
         return
+    path = os.environ.get(CALL_LOG_ENV)
+    if not path:
+        return
     record = {"api": name, "args": [describe(a) for a in args],
               "kwargs": {k: describe(v) for k, v in kwargs.items()}}
     line = json.dumps(record, sort_keys=True)
     with _lock:
-        if line in _seen:
+        if (path, line) in _seen:
             return
-        _seen.add(line)
-        with open(os.environ[CALL_LOG_ENV], "a") as f:
+        _seen.add((path, line))
+        with open(path, "a") as f:
             f.write(line + "\n")
 
 
@@ -61,8 +65,18 @@ def traced(name: str, fn):
     return call
 
 
+_installed = False
+
+
+def install_if_requested(torch_npu_module, npu_module) -> None:
+    """Wrap the simulated torch_npu and torch.npu surfaces, once, if the log is on."""
+    global _installed
+    if os.environ.get(CALL_LOG_ENV) and not _installed:
+        _installed = True
+        install(torch_npu_module, npu_module)
+
+
 def install(torch_npu_module, npu_module) -> None:
-    """Wrap the simulated torch_npu and torch.npu surfaces (called at import when the log is on)."""
     for name in ("_npu_fused_infer_attention_score_get_max_workspace", "npu_scatter_pa_kv_cache",
                  "npu_rms_norm", "npu_add_rms_norm", "npu_swiglu", "npu_rotary_mul", "npu_mrope"):
         setattr(torch_npu_module, name, traced(name, getattr(torch_npu_module, name)))
