@@ -336,8 +336,8 @@ class NPUPlatform(Platform):
                 f"{multiple} (e.g. --compilation-config '{{\"cudagraph_capture_sizes\": "
                 f"{[multiple * n for n in (1, 2, 4, 8)]}}}'), or leave cudagraph_capture_sizes "
                 "unset and vLLM picks them.")
-        if plan.mode != mode:
-            why += f"; {plan.reason}"
+        if plan.narrowed:
+            why += f"; {plan.narrowed}"
         cc.cudagraph_mode = plan.mode
         cc.cudagraph_capture_sizes = plan.kept
         cc.max_cudagraph_capture_size = max(plan.kept, default=0)

@@ -3,8 +3,7 @@
 import pytest
 from vllm.config import CUDAGraphMode as M
 
-from vllm_ascend.compilation.capture_sizes import (evenly_spread, graphs_per_size,
-                                                   plan_capture_sizes, streams_per_graph)
+from vllm_ascend.compilation.capture_sizes import evenly_spread, plan_capture_sizes
 
 UPSTREAM_SIZES = [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, 513, 16))  # 51 sizes
 
@@ -18,10 +17,9 @@ def test_kept_sizes_fit_keep_the_ends_and_are_spread(layers, tp, dp, mode, draft
     plan = plan_capture_sizes(UPSTREAM_SIZES, mode, layers, tensor_parallel=tp, data_parallel=dp,
                               draft_layers=draft, stream_total=total, stream_reserve=reserve)
     assert plan.streams_needed <= total - reserve
-    per_graph = streams_per_graph(tp, dp)
-    assert plan.streams_per_size == graphs_per_size(plan.mode, layers, draft) * per_graph
     if plan.mode == M.NONE:
         assert plan.kept == [] and "not one size fits" in plan.reason
+        assert plan.narrowed.startswith(f"not one {mode.name} capture size fits")
         return
     assert plan.kept == sorted(plan.kept) and set(plan.kept) | set(plan.dropped) == set(
         UPSTREAM_SIZES)
@@ -36,6 +34,35 @@ def test_kept_sizes_fit_keep_the_ends_and_are_spread(layers, tp, dp, mode, draft
     assert not gaps or max(gaps) - min(gaps) <= 1
 
 
+# (layers, mode, TP, DP, draft layers) -> streams one capture size costs, counted by hand: graphs
+# per size (PIECEWISE: layers + 1 pieces, plus draft layers + 1; FULL: 1) x streams per graph
+# (1, plus 1 per communication group: TP > 1, DP > 1).
+STREAMS_PER_SIZE = [
+    ((30, M.PIECEWISE, 2, 1, 0), 62),  # 31 pieces x 2
+    ((60, M.PIECEWISE, 1, 1, 0), 61),
+    ((2, M.FULL_AND_PIECEWISE, 1, 1, 0), 4),  # 3 pieces + 1 FULL
+    ((2, M.FULL_AND_PIECEWISE, 1, 1, 1), 6),  # 3 + 2 drafter pieces + 1 FULL (none drafter)
+    ((2, M.PIECEWISE, 2, 1, 1), 10),  # (3 + 2) x 2
+    ((30, M.FULL_DECODE_ONLY, 1, 1, 0), 1),
+    ((94, M.FULL, 8, 2, 0), 3),  # 1 graph x (own + TP + DP)
+    ((30, M.FULL_AND_PIECEWISE, 2, 2, 0), 96),  # (31 + 1) x 3
+]
+
+
+@pytest.mark.parametrize("case,streams", STREAMS_PER_SIZE, ids=lambda c: str(c))
+def test_streams_per_size_of_known_layouts(case, streams):
+    layers, mode, tp, dp, draft = case
+    plan = plan_capture_sizes(UPSTREAM_SIZES, mode, layers, tensor_parallel=tp,
+                              data_parallel=dp, draft_layers=draft)
+    assert plan.streams_per_size == streams
+    assert len(plan.kept) == min(len(UPSTREAM_SIZES), 1800 // streams)  # 2048 - 248 usable
+
+
+def test_30_layers_piecewise_at_tp2_keeps_29_sizes():
+    plan = plan_capture_sizes(UPSTREAM_SIZES, M.PIECEWISE, 30, tensor_parallel=2)
+    assert (plan.streams_per_size, len(plan.kept), plan.streams_needed) == (62, 29, 1798)
+
+
 def test_60_layer_piecewise_with_upstream_sizes_is_cut_to_fit():
     plan = plan_capture_sizes(UPSTREAM_SIZES, M.PIECEWISE, 60)
     assert len(UPSTREAM_SIZES) * 61 > 2048  # upstream would need ~3100 streams
@@ -48,12 +75,17 @@ def test_small_models_keep_every_size():
     assert plan.kept == UPSTREAM_SIZES and plan.dropped == []
 
 
-@pytest.mark.parametrize("mode,expected", [(M.FULL_AND_PIECEWISE, M.FULL), (M.PIECEWISE, M.NONE),
-                                           (M.FULL, M.FULL)])
-def test_fallback_when_not_one_size_fits(mode, expected):
+@pytest.mark.parametrize("mode,expected,per_size", [(M.FULL_AND_PIECEWISE, M.FULL, 288),
+                                                    (M.PIECEWISE, M.NONE, 285),
+                                                    (M.FULL, M.FULL, None)])
+def test_fallback_when_not_one_size_fits(mode, expected, per_size):
     plan = plan_capture_sizes(UPSTREAM_SIZES, mode, 94, tensor_parallel=8, data_parallel=2,
                               stream_total=200, stream_reserve=0)
     assert plan.mode == expected
+    # (94 layers + 1 pieces [+ 1 FULL]) x 3 streams (the graph's own, TP's, DP's)
+    assert plan.narrowed == ("" if per_size is None else
+                             f"not one {mode.name} capture size fits the stream budget "
+                             f"({per_size} streams per size, 200 usable): {expected.name} instead")
     if expected == M.FULL:  # FULL graphs cost 3 streams each here: 66 sizes would fit
         assert plan.kept == UPSTREAM_SIZES
     else:

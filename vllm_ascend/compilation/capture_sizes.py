@@ -22,7 +22,8 @@ class CapturePlan:
     dropped: list[int]
     streams_per_size: int
     usable_streams: int
-    reason: str
+    reason: str  # why these sizes
+    narrowed: str = ""  # why the mode is narrower than asked ("" when it is not)
 
     @property
     def streams_needed(self) -> int:
@@ -60,12 +61,14 @@ def plan_capture_sizes(requested: list[int], mode: CUDAGraphMode, num_layers: in
     sizes = sorted(set(requested))
     aligned = [s for s in sizes if s % multiple_of == 0]
     usable = max(stream_total - stream_reserve, 0)
+    narrowed = []
     while True:
         per_size = graphs_per_size(mode, num_layers, draft_layers) * \
             streams_per_graph(tensor_parallel, data_parallel)
         if mode == CUDAGraphMode.NONE or not aligned:
             return CapturePlan(CUDAGraphMode.NONE if not aligned else mode, [], sizes, per_size,
-                               usable, "no capture size" if not aligned else "graph mode NONE")
+                               usable, "no capture size" if not aligned else "graph mode NONE",
+                               "; ".join(narrowed))
         fit = usable // per_size
         if fit >= 1:
             kept = evenly_spread(aligned, fit)
@@ -74,10 +77,12 @@ def plan_capture_sizes(requested: list[int], mode: CUDAGraphMode, num_layers: in
             if len(aligned) < len(sizes):
                 reason += f"; sizes must be multiples of {multiple_of}"
             return CapturePlan(mode, kept, [s for s in sizes if s not in kept], per_size,
-                               usable, reason)
+                               usable, reason, "; ".join(narrowed))
         narrower = (CUDAGraphMode.FULL if mode == CUDAGraphMode.FULL_AND_PIECEWISE
                     else CUDAGraphMode.NONE)
+        narrowed.append(f"not one {mode.name} capture size fits the stream budget ({per_size} "
+                        f"streams per size, {usable} usable): {narrower.name} instead")
         if narrower == CUDAGraphMode.NONE:
             return CapturePlan(CUDAGraphMode.NONE, [], sizes, per_size, usable,
-                               f"not one size fits: {per_size} streams per size, {usable} usable")
+                               "not one size fits", "; ".join(narrowed))
         mode = narrower
