@@ -9,7 +9,7 @@ import torch
 from vllm_ascend.logger import get_logger
 from vllm.platforms.interface import Platform, PlatformEnum
 
-from vllm_ascend import device
+from vllm_ascend import device, patch
 from vllm_ascend.device import torch_npu
 
 if TYPE_CHECKING:
@@ -235,6 +235,7 @@ class NPUPlatform(Platform):
             compilation_config.custom_ops.append("all")
         os.environ.setdefault("VLLM_DISABLE_SHARED_EXPERTS_STREAM", "1")
         cls._spawn_if_fork_is_unsafe()
+        patch.apply()
 
     @classmethod
     def _spawn_if_fork_is_unsafe(cls) -> None:
@@ -242,11 +243,28 @@ class NPUPlatform(Platform):
         and XPU (``_maybe_force_spawn``); do the same for this device, before any is started."""
         reason = device.current.fork_unsafe_reason()
         current = os.environ.get(MULTIPROC_METHOD_ENV)
-        if reason is None or current == "spawn":
-            return
-        os.environ[MULTIPROC_METHOD_ENV] = "spawn"
-        logger.info("vllm-ascend: engine and worker processes start with 'spawn'%s: %s",
-                    f" ({MULTIPROC_METHOD_ENV}={current} overridden)" if current else "", reason)
+        if reason is not None and current != "spawn":
+            os.environ[MULTIPROC_METHOD_ENV] = "spawn"
+            logger.info("vllm-ascend: engine and worker processes start with 'spawn'%s: %s",
+                        f" ({MULTIPROC_METHOD_ENV}={current} overridden)" if current else "",
+                        reason)
+        if os.environ.get(MULTIPROC_METHOD_ENV) == "spawn":
+            cls._spawn_without_a_pseudo_main()
+
+    @staticmethod
+    def _spawn_without_a_pseudo_main() -> None:
+        """multiprocessing's spawn re-runs the parent's main script, from its ``__file__``, in
+        every child. A script read from standard input (``python - <<EOF``) has the pseudo-path
+        ``<stdin>``, so the engine core died with FileNotFoundError before it started. Such a
+        script cannot be re-run: its children start without it, as under ``python -c`` (whose
+        main has no ``__file__``), which the engine core and workers do not need."""
+        main = sys.modules.get("__main__")
+        path = getattr(main, "__file__", None)
+        if (isinstance(path, str) and path.startswith("<") and path.endswith(">")
+                and getattr(main, "__spec__", None) is None):
+            del main.__file__
+            logger.info("vllm-ascend: the main script is %s, which spawned processes cannot "
+                        "re-run: they start without it (as under python -c)", path)
 
     @classmethod
     def opaque_attention_op(cls) -> bool:
