@@ -88,6 +88,13 @@ class NPUWorker(Worker):
             kv_cache_config.num_blocks, self.cache_config.block_size,
             sum(t.size for t in kv_cache_config.kv_cache_tensors) / GiB)
 
+    def graph_counts(self) -> dict:
+        """This worker's ACL graphs, captured and replayed per runtime mode, and the device's
+        streams in use: for ``collective_rpc("graph_counts")``, which `vllm serve` exposes in
+        its dev mode (VLLM_SERVER_DEV_MODE=1) as POST /collective_rpc."""
+        return {**self.model_runner.graph_state.counts(),
+                "streams_in_use": device.current.streams_in_use()}
+
     def compile_or_warm_up_model(self) -> CompilationTimes:
         # Upstream's version warms CUDA kernels (FlashInfer, DeepGEMM) and probes CUDA memory.
         if not self.model_config.enforce_eager:
