@@ -15,10 +15,10 @@ MODES = ["PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]
 
 def check(mode: str, family: str, tp: int, pp: int, speculative: str | None) -> None:
     from tests.e2e.conftest import (PROMPTS, check_logprobs_close, engine,
-                                    graph_counts_per_rank, hf_greedy, max_tokens_for,
+                                    graph_counts_per_rank, hf_greedy, MAX_TOKENS,
                                     model_path, speculative_config, vllm_greedy)
 
-    n = max_tokens_for(family)
+    n = MAX_TOKENS
     extra, sizes = {}, [1, 2, 4]
     if speculative:  # K = 3: capture sizes are multiples of 1 + K
         extra["speculative_config"] = speculative_config(family, speculative, 3)

@@ -17,10 +17,10 @@ EXPECTED = {
 }
 
 
-def main() -> int:
+def main(argv: "list[str] | None" = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--enforce-eager", action="store_true", help="turn graph mode off")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     from scripts.models import smollm2_dir
 

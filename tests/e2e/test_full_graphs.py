@@ -1,14 +1,9 @@
-"""FULL graphs where they are hardest: mixed prefill/decode steps, a full batch, chunked prefill
-and prefix caching, and the stale-length bug the FIA update prevents."""
-
-import os
-import subprocess
-import sys
+"""FULL graphs where they are hardest: mixed prefill/decode steps, a full batch (in FULL and in
+FULL_DECODE_ONLY), and the stale-length bug the FIA update prevents. (Chunked prefill and prefix
+caching in graph mode: test_request_classes.py.)"""
 
 import pytest
-from vllm import SamplingParams
 
-from tests.conftest import ROOT
 from tests.e2e.conftest import (check_logprobs_close, engine, expected_replays, hf_greedy,
                                 model_path, replays, vllm_greedy)
 
@@ -56,21 +51,6 @@ def test_full_batch_of_different_lengths(full_llm):
     assert (8, 8) in made["steps"]  # a full batch of decodes: the dummy request has no row
 
 
-def test_chunked_prefill_and_prefix_caching_under_full_and_piecewise():
-    with engine(model_path(FAMILY), max_num_seqs=8, max_num_batched_tokens=64,
-                enable_prefix_caching=True, compilation_config={
-                    "cudagraph_mode": "FULL_AND_PIECEWISE",
-                    "cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64]}) as llm:
-        long_prompt = words(300, 4)  # > 2 blocks: chunked, then cached
-        made = equal_hf(llm, [long_prompt, words(4, 5)], 10, "F&P chunked",
-                        "FULL_AND_PIECEWISE", 64)
-        assert made["replayed"].get("FULL") and made["replayed"].get("PIECEWISE")
-        again = llm.generate([long_prompt], SamplingParams(max_tokens=10, temperature=0,
-                                                          ignore_eos=True), use_tqdm=False)[0]
-        assert again.num_cached_tokens >= 256
-        equal_hf(llm, [long_prompt], 10, "F&P prefix-cached", "FULL_AND_PIECEWISE", 64)
-
-
 def skip_fia_update(record_events: bool):
     """A worker-side change for the negative tests: FULL replays without the per-step task
     updates of their attention lengths (recording each layer's event, or not even that)."""
@@ -88,11 +68,26 @@ def skip_fia_update(record_events: bool):
     return install
 
 
-@pytest.fixture
+def restore_fia_update(worker):
+    del worker.model_runner.graph_state.fia.update  # the class's method again
+
+
+def decode_only_engine():
+    return engine(model_path(FAMILY), max_num_seqs=4, compilation_config={
+        "cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [1, 2, 4]})
+
+
+@pytest.fixture(scope="module")
 def decode_only_llm():
-    with engine(model_path(FAMILY), max_num_seqs=4, compilation_config={
-            "cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [1, 2, 4]}) as llm:
+    with decode_only_engine() as llm:
         yield llm
+
+
+def test_full_batch_in_full_decode_only(decode_only_llm):
+    prompts = [words(n, n) for n in (2, 4, 6, 8)]  # num_reqs == max_num_seqs == largest size
+    made = equal_hf(decode_only_llm, prompts, 10, "FULL_DECODE_ONLY full batch",
+                    "FULL_DECODE_ONLY", 4)
+    assert made["replayed"] == {"FULL": 9} and (4, 4) in made["steps"], made
 
 
 def test_without_the_fia_update_full_graphs_replay_stale_lengths(decode_only_llm):
@@ -101,37 +96,23 @@ def test_without_the_fia_update_full_graphs_replay_stale_lengths(decode_only_llm
     with the update (the tests above) they are close to HF."""
     prompt = words(6, 7)
     decode_only_llm.collective_rpc(skip_fia_update(record_events=True))
-    with replays(decode_only_llm) as made:
-        got = vllm_greedy(decode_only_llm, [prompt], 12)[0]
-    assert made["replayed"] == {"FULL": 11}  # one prefill, then 11 decodes in FULL graphs
-    with pytest.raises(AssertionError, match="not in each other's top"):
-        check_logprobs_close(hf_greedy(model_path(FAMILY), prompt, 12), got, "stale lengths")
-
-
-NO_UPDATE_SCRIPT = """
-from vllm import LLM, SamplingParams
-from tests.e2e.test_full_graphs import skip_fia_update
-
-if __name__ == "__main__":
-    llm = LLM({model!r}, dtype="bfloat16", max_model_len=256, max_num_seqs=4,
-              compilation_config={{"cudagraph_mode": "FULL_DECODE_ONLY",
-                                   "cudagraph_capture_sizes": [1, 2, 4]}})
-    llm.collective_rpc(skip_fia_update(record_events=False))
     try:
-        llm.generate(["hello there"], SamplingParams(max_tokens=4))
-    except Exception as e:
-        print("generate failed:", type(e).__name__)
-"""
+        with replays(decode_only_llm) as made:
+            got = vllm_greedy(decode_only_llm, [prompt], 12)[0]
+    finally:
+        decode_only_llm.collective_rpc(restore_fia_update)
+    assert made["replayed"] == {"FULL": 11}  # one prefill, then 11 decodes in FULL graphs
+    with pytest.raises(AssertionError, match="not in each other's top|apart, more than the"):
+        check_logprobs_close(hf_greedy(model_path(FAMILY), prompt, 12), got, "stale lengths")
+    check_logprobs_close(hf_greedy(model_path(FAMILY), prompt, 12),
+                         vllm_greedy(decode_only_llm, [prompt], 12)[0], "updated again")
 
 
-def test_without_any_update_a_full_replay_fails_loudly(tmp_path):
+def test_without_any_update_a_full_replay_fails_loudly():
     """With no update at all, the replay's attention waits on an event nobody records: on the
-    chip the stream hangs; the simulator fails the step with that diagnosis (in the engine's
-    log, which a subprocess keeps whole)."""
-    script = tmp_path / "no_update.py"
-    script.write_text(NO_UPDATE_SCRIPT.format(model=model_path(FAMILY)))
-    proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
-    assert "generate failed: EngineDeadError" in proc.stdout, proc.stderr[-3000:]
-    assert "a replayed ACL graph waits on an ExternalEvent that no task update recorded" in \
-        proc.stdout + proc.stderr
+    chip the stream hangs; the simulator fails the step with that diagnosis."""
+    with decode_only_engine() as llm:
+        llm.collective_rpc(skip_fia_update(record_events=False))
+        with pytest.raises(Exception, match="a replayed ACL graph waits on an ExternalEvent "
+                                            "that no task update recorded"):
+            vllm_greedy(llm, ["hello there"], 4)

@@ -1,55 +1,69 @@
 """Graph modes through the real engine: each family equals HF transformers (and so eager), for
-batches that hit a capture size, fall between sizes (padding) and exceed the largest (no graph);
-every check also counts the graphs that replayed, so an eager fallback fails it."""
+batches that hit a capture size, fall between sizes (padding) and exceed the largest (no graph:
+the eager path), and for a prefill that fits a graph; every check also counts the graphs that
+replayed, so an eager fallback fails it."""
 
 import pytest
 
-from tests.e2e.conftest import (FAMILIES, OUR_CLASSES, PROMPTS, check_logprobs_close, engine,
+from tests.e2e.conftest import (OUR_CLASSES, PROMPTS, check_logprobs_close, engine,
                                 expected_replays, graph_counts, hf_greedy, loaded_class,
-                                max_tokens_for, model_path, replays, vllm_greedy)
+                                MAX_TOKENS, model_path, replays, vllm_greedy)
 
 CAPTURE_SIZES = [1, 2, 4]
-MODES = ["PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]  # NONE: test_eager.py
+MODES = ["PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]
 MAX_NUM_SEQS = 8
+# Every family in FULL_AND_PIECEWISE, where it replays both kinds of graph (FULL decode graphs,
+# PIECEWISE pieces for a short prefill) and runs eagerly above the largest size; Llama in every
+# mode (what a mode does is family-independent: the family's model file runs inside the same
+# graphs). Qwen3 runs in float16, the other dtype FIA computes in.
+CASES = [("llama", m) for m in MODES] + [(f, "FULL_AND_PIECEWISE")
+                                         for f in ("qwen2", "qwen3", "smollm2")]
+DTYPES = {"qwen3": "float16"}
+SHORT = "Hi there"  # 2 tokens: a prefill within the largest capture size
+
+
+@pytest.fixture(scope="module", params=CASES, ids=lambda p: f"{p[0]}-{p[1]}")
+def graph_llm(request):
+    family, mode = request.param
+    with engine(model_path(family), max_num_seqs=MAX_NUM_SEQS,
+                dtype=DTYPES.get(family, "bfloat16"), compilation_config={
+                    "cudagraph_mode": mode, "cudagraph_capture_sizes": CAPTURE_SIZES}) as llm:
+        yield family, mode, llm
 
 
 def num_layers(llm) -> int:
     return llm.llm_engine.vllm_config.model_config.hf_config.num_hidden_layers
 
 
-# SmolLM2 (30 layers, real weights) runs in PIECEWISE and FULL_AND_PIECEWISE: between them they
-# replay every kind of graph; FULL and FULL_DECODE_ONLY replay the same FULL decode graphs as
-# FULL_AND_PIECEWISE for it, since these prompts exceed the largest capture size (the tiny
-# families cover every mode).
-CASES = [(f, m) for m in MODES for f in FAMILIES
-         if f != "smollm2" or m in ("PIECEWISE", "FULL_AND_PIECEWISE")]
-
-
-@pytest.fixture(scope="module", params=CASES, ids=lambda p: f"{p[0]}-{p[1]}")
-def graph_llm(request):
-    family, mode = request.param
-    with engine(model_path(family), max_num_seqs=MAX_NUM_SEQS, compilation_config={
-            "cudagraph_mode": mode, "cudagraph_capture_sizes": CAPTURE_SIZES}) as llm:
-        yield family, mode, llm
-
-
 def check(llm, family, mode, prompts, label) -> dict:
     """Greedy output close to HF's, and exactly the replays the steps call for."""
-    n = max_tokens_for(family)
+    n = MAX_TOKENS
     with replays(llm) as made:
         outs = vllm_greedy(llm, prompts, n)
     for prompt, out in zip(prompts, outs):
-        check_logprobs_close(hf_greedy(model_path(family), prompt, n), out, f"{label} {prompt!r}")
+        check_logprobs_close(hf_greedy(model_path(family), prompt, n), out, f"{label} {prompt!r}",
+                             dtype=DTYPES.get(family, "bfloat16"))
     assert len(made["steps"]) >= n, made["steps"]  # one step per generated token, at least
     assert made["replayed"] == expected_replays(mode, made["steps"], num_layers(llm),
                                                 max(CAPTURE_SIZES)), made
     return made
 
 
-def test_graphs_captured_per_piece_and_size(graph_llm):
+def test_graphs_captured_per_piece_and_size_on_our_backend(graph_llm):
     family, mode, llm = graph_llm
     assert llm.llm_engine.vllm_config.compilation_config.cudagraph_mode.name == mode
-    assert loaded_class(llm) == OUR_CLASSES[family]
+    assert str(llm.llm_engine.vllm_config.model_config.dtype) == \
+        f"torch.{DTYPES.get(family, 'bfloat16')}"
+    assert loaded_class(llm) == OUR_CLASSES[family]  # the per-family file, with its fusions
+
+    def probe(worker):
+        from vllm_ascend import device
+
+        runner = worker.model_runner
+        backends = {g.backend.get_name() for groups in runner.attn_groups for g in groups}
+        return device.current.name, type(runner).__name__, sorted(backends)
+
+    assert llm.collective_rpc(probe) == [("sim", "NPUModelRunner", ["ASCEND"])]
     counts = graph_counts(llm)
     pieces = (num_layers(llm) + 1) * len(CAPTURE_SIZES)  # one graph per piece per size
     full = len(CAPTURE_SIZES)  # one FULL graph per size (all sizes <= max_num_seqs here)
@@ -58,6 +72,14 @@ def test_graphs_captured_per_piece_and_size(graph_llm):
                 "FULL_AND_PIECEWISE": {"PIECEWISE": pieces, "FULL": full}}[mode]
     assert counts["captured"] == expected
     assert counts["streams_in_use"] == sum(counts["captured"].values())
+
+
+def test_short_prefill_replays_a_graph_where_the_mode_has_one(graph_llm):
+    family, mode, llm = graph_llm
+    made = check(llm, family, mode, [SHORT], f"{mode} short")
+    assert made["steps"][0] == (2, 1), made  # the prefill: 2 tokens, 1 request
+    if mode != "FULL_DECODE_ONLY":  # a prefill is not a uniform decode batch
+        assert made["replayed"].get("FULL" if mode == "FULL" else "PIECEWISE"), made
 
 
 def test_batch_between_capture_sizes_is_padded_and_equals_hf(graph_llm):
@@ -70,7 +92,7 @@ def test_one_request_replays_a_graph_every_decode_step(graph_llm):
     family, mode, llm = graph_llm
     made = check(llm, family, mode, ["Question 0: what comes after 0?"], f"{mode} 1")
     # A deterministic schedule: one prefill (above every size), then one decode per token.
-    n = max_tokens_for(family)
+    n = MAX_TOKENS
     assert made["steps"][1:] == [(1, 1)] * (n - 1)
     per_step = {"FULL": 1} if "FULL" in mode else {"PIECEWISE": num_layers(llm) + 1}
     assert made["replayed"] == {m: k * (n - 1) for m, k in per_step.items()}

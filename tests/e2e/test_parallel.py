@@ -1,23 +1,30 @@
-"""Tensor and pipeline parallelism in every graph mode, through vLLM's multiprocessing executor
-with gloo: greedy output equals HF transformers' (TP=1) greedy output, every rank replays the
-graphs its steps call for (the collectives inside them included), and each graph holds the
-streams its communication groups cost. Data parallelism: test_serve_parallel.py."""
+"""Tensor and pipeline parallelism in graph mode, through vLLM's multiprocessing executor with
+gloo: greedy output equals HF transformers' (TP=1) greedy output, every rank replays the graphs
+its steps call for (the collectives inside them included), and each graph holds the streams its
+communication groups cost. Data parallelism: test_serve.py.
+
+Two engines (each spawns two workers, ~20 s) cover every kind of graph: TP=2 in FULL replays
+FULL graphs for decode, prefill and mixed batches, with an all-reduce per layer inside them; PP=2
+in FULL_AND_PIECEWISE replays FULL decode graphs and, for a prefill that fits the largest size,
+PIECEWISE pieces, on both stages. Prefills above the largest size run eagerly (NONE) in both.
+FULL_DECODE_ONLY captures the same FULL decode graphs, PIECEWISE the same pieces;
+`scripts/check_parallel.py` runs all four modes at TP=2 or more by hand."""
+
+import re
 
 import pytest
 
 from tests.e2e.conftest import (PROMPTS, check_logprobs_close, engine, expected_replays,
-                                graph_counts_per_rank, hf_greedy, max_tokens_for, model_path,
-                                replays, vllm_greedy)
+                                graph_counts_per_rank, hf_greedy, MAX_TOKENS, model_path,
+                                platform_log, replays, vllm_greedy)
 
-# NONE (eager) is what each of these engines runs for a step above the largest capture size, as
-# the prefill of these prompts is: every engine here checks eager collectives too.
-MODES = ["PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]
 LAYOUTS = {"TP=2": {"tensor_parallel_size": 2}, "PP=2": {"pipeline_parallel_size": 2}}
+CASES = [("TP=2", "FULL"), ("PP=2", "FULL_AND_PIECEWISE")]
 CAPTURE_SIZES = [1, 2, 4]
+SHORT = "Hi there"  # 2 tokens: a prefill within the largest capture size
 
 
-@pytest.fixture(scope="module", params=[(layout, mode) for layout in LAYOUTS for mode in MODES],
-                ids=lambda p: f"{p[0]}-{p[1]}")
+@pytest.fixture(scope="module", params=CASES, ids=lambda p: f"{p[0]}-{p[1]}")
 def parallel_llm(request):
     layout, mode = request.param
     with engine(model_path("llama"), distributed_executor_backend="mp", max_num_seqs=4,
@@ -38,19 +45,23 @@ def rank_layers(llm) -> list[int]:
 
 def test_greedy_output_equals_tp1_with_graph_replays_on_every_rank(parallel_llm):
     layout, mode, llm = parallel_llm
-    n = max_tokens_for("llama")
+    n = MAX_TOKENS
     with replays(llm) as made:
-        outs = vllm_greedy(llm, PROMPTS, n)
-    for prompt, out in zip(PROMPTS, outs):
+        outs = vllm_greedy(llm, PROMPTS, n) + vllm_greedy(llm, [SHORT], n)
+    for prompt, out in zip(PROMPTS + [SHORT], outs):
         check_logprobs_close(hf_greedy(model_path("llama"), prompt, n), out,
                              f"{layout} {mode} {prompt!r}")
     assert len(made["ranks"]) == 2
     for rank, (made_here, layers) in enumerate(zip(made["ranks"], rank_layers(llm))):
-        assert len(made_here["steps"]) >= n, (rank, made_here)  # a step per token, at least
+        assert len(made_here["steps"]) >= 2 * n, (rank, made_here)  # a step per token, at least
         expected = expected_replays(mode, made_here["steps"], layers, max(CAPTURE_SIZES))
         assert made_here["replayed"] == expected, (rank, made_here)
-        assert expected, (rank, made_here)  # its decode steps replay graphs
+        # FULL graphs everywhere; PIECEWISE pieces for the short prefill in FULL_AND_PIECEWISE
+        assert set(expected) == ({"FULL", "PIECEWISE"} if "PIECEWISE" in mode else {"FULL"}), \
+            (rank, made_here)
         assert any(tokens > max(CAPTURE_SIZES) for tokens, _ in made_here["steps"])  # eager
+        if mode == "FULL":  # the short prompt's prefill: a FULL graph of a mixed batch
+            assert (2, 1) in made_here["steps"], (rank, made_here)
 
 
 def test_each_graph_holds_a_stream_per_communication_group_it_captured(parallel_llm):
@@ -95,3 +106,23 @@ def test_speculative_decoding_with_pipeline_parallelism_is_refused_at_start_up()
                    distributed_executor_backend="mp", speculative_config={
                        "method": "ngram", "num_speculative_tokens": 3,
                        "prompt_lookup_min": 2, "prompt_lookup_max": 4}).create_engine_config()
+
+
+@pytest.mark.parametrize("mode,streams", [("PIECEWISE", 3), ("FULL", 1), ("FULL_DECODE_ONLY", 1),
+                                          ("FULL_AND_PIECEWISE", 4)])
+def test_data_parallel_engines_of_a_dense_model_keep_every_graph_mode(mode, streams):
+    """vLLM runs a dense model's DP ranks as independent engines (test_serve.py serves DP=2 in
+    the default mode): each keeps the requested mode and sizes, and its graphs are charged no
+    stream for a DP group, as at DP=1 (2 layers: 3 pieces and/or 1 FULL graph per size)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    with platform_log() as log:
+        config = EngineArgs(model_path("llama"), max_model_len=256, data_parallel_size=2,
+                            compilation_config={"cudagraph_mode": mode,
+                                                "cudagraph_capture_sizes": CAPTURE_SIZES}
+                            ).create_engine_config()
+    assert config.compilation_config.cudagraph_mode.name == mode
+    assert config.compilation_config.cudagraph_capture_sizes == CAPTURE_SIZES
+    plan = re.search(r"capture sizes \[1, 2, 4\] kept, none dropped \(all sizes fit; (\d+) "
+                     r"streams per size", "\n".join(log))
+    assert plan and int(plan.group(1)) == streams, log

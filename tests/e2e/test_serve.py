@@ -1,61 +1,173 @@
-"""`vllm serve` with SmolLM2 on 127.0.0.1 (its default bf16): the OpenAI endpoints answer as HF
-transformers does, under the logprob-closeness rule, through the plugin."""
+"""`vllm serve` as users run it at scale, on 127.0.0.1: the tiny Llama with data parallelism over
+tensor parallelism (DP=2 x TP=2, four workers), in the default graph mode. The OpenAI endpoints
+answer as HF transformers (TP=1) does, under the logprob-closeness rule, with graphs replayed;
+the start-up log says what a user needs to know; 16 concurrent requests spread over both DP
+engines; a load pinned to one DP rank finishes while the other idles; `vllm bench serve`
+measures the server. (SmolLM2's real weights through the engine: the demo in
+test_fresh_machine.py, and test_graph_modes.py.)"""
+
+import collections
+import concurrent.futures
+import re
 
 import pytest
 import requests
-import transformers
 
-from scripts.models import smollm2_dir
-from tests.e2e.conftest import (TOPK, check_logprobs_close, hf_greedy, served_completion,
-                                token_id, vllm_server)
+from tests.e2e.conftest import (TOPK, check_logprobs_close, hf_greedy, model_path,
+                                served_completion, served_graph_counts, token_id, vllm_server)
+
+NAME = "tiny-llama"
+LAYERS = 2  # the tiny models'
+TOKENS = 16
+MAX_NUM_SEQS = 16
+RANK_0 = {"X-data-parallel-rank": "0"}
 
 
 @pytest.fixture(scope="module")
 def server():
-    with vllm_server(str(smollm2_dir()), "smollm2", "--max-model-len", "1024",
-                     "--max-num-seqs", "16") as served:  # fewer capture sizes: a faster start
+    with vllm_server(model_path("llama"), NAME, "--tensor-parallel-size", "2",
+                     "--data-parallel-size", "2", "--max-model-len", "512",
+                     "--max-num-seqs", str(MAX_NUM_SEQS), start_s=420) as served:
         yield served
 
 
+def answers_as_hf(base, prompts, headers=None):
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        outs = list(pool.map(lambda p: served_completion(base, NAME, p, TOKENS, headers), prompts))
+    for prompt, out in zip(prompts, outs):
+        check_logprobs_close(hf_greedy(model_path("llama"), prompt, TOKENS), out, repr(prompt))
+
+
+def finished_per_engine(base) -> dict[str, float]:
+    """Requests each DP engine finished so far (vLLM's Prometheus counter, by engine label):
+    both engines' counters must be there."""
+    metrics = requests.get(f"{base}/metrics", timeout=10).text
+    counts: dict[str, float] = {}
+    for line in metrics.splitlines():
+        if line.startswith("vllm:request_success_total{"):
+            engine = re.search(r'engine="(\d+)"', line)
+            assert engine, f"vllm:request_success_total without an engine label: {line}"
+            counts[engine.group(1)] = counts.get(engine.group(1), 0.0) + \
+                float(line.rsplit(" ", 1)[1])
+    assert set(counts) == {"0", "1"}, (
+        f"vllm:request_success_total should count for DP engines 0 and 1, has "
+        f"{sorted(counts)}:\n" + "\n".join(line for line in metrics.splitlines()
+                                          if "request_success" in line))
+    return counts
+
+
 def test_server_runs_on_the_ascend_plugin(server):
-    _, startup_log = server
-    assert "vllm-ascend: device backend sim" in startup_log
+    _, log = server
+    assert "vllm-ascend: device backend sim" in log
 
 
-def completion(base, prompt, max_tokens):
-    return served_completion(base, "smollm2", prompt, max_tokens)
+def test_start_up_log_says_graph_mode_kept_sizes_graphs_streams_and_memory(server):
+    """One line each, with figures that agree with each other and with the workers' counts; the
+    memory is VLLM_ASCEND_SIM_MEMORY_GB (2, set by the fixture); dtype auto on a float32
+    checkpoint is bfloat16."""
+    base, log = server
+    assert re.search(r"vllm-ascend: graph mode FULL_AND_PIECEWISE \(configured "
+                     r"FULL_AND_PIECEWISE\): ", log), log[-3000:]
+    kept = re.search(r"vllm-ascend: capture sizes \[([\d, ]+)\] kept, none dropped \(all sizes "
+                     r"fit; (\d+) streams per size, (\d+) of 1800 usable streams\)", log)
+    assert kept, log[-3000:]
+    sizes = [int(x) for x in kept.group(1).split(",")]
+    # (pieces + 1 FULL graph) x (the graph's own stream + its TP group's)
+    assert int(kept.group(2)) == (LAYERS + 1 + 1) * 2
+    assert int(kept.group(3)) == int(kept.group(2)) * len(sizes)
+    summaries = re.findall(r"vllm-ascend: graph mode FULL_AND_PIECEWISE on TP rank (\d) of 2: "
+                           r"captured (\d+) graphs \(PIECEWISE sizes \[([\d, ]+)\]; FULL sizes "
+                           r"\[([\d, ]+)\]\) in [\d.]+ s, [\d.]+ GiB; streams used (\d+) of 2048",
+                           log)
+    assert len(summaries) == 4, log[-4000:]  # 2 DP engines x 2 TP ranks
+    assert sorted(rank for rank, *_ in summaries) == ["0", "0", "1", "1"]
+    for _, graphs, piecewise, full, streams in summaries:
+        full_sizes = [int(x) for x in full.split(",")]
+        assert [int(x) for x in piecewise.split(",")] == sizes
+        assert full_sizes == [s for s in sizes if s <= MAX_NUM_SEQS]  # decode: <= max_num_seqs
+        assert int(graphs) == (LAYERS + 1) * len(sizes) + len(full_sizes)
+        assert int(streams) == 2 * int(graphs)
+    for counts in served_graph_counts(base):  # DP engine 0's two workers
+        assert sum(counts["captured"].values()) == int(summaries[0][1])
+    memory = re.findall(r"vllm-ascend: device sim \(.*\), memory 2\.00 GiB: weights 0\.0\d GiB, "
+                        r"activations [\d.]+ GiB, KV cache \d+ blocks x 128 tokens", log)
+    assert len(memory) == 4, log[-3000:]
+    assert "dtype=torch.bfloat16" in log
 
 
-def test_completions_endpoint_answers_as_hf_transformers(server):
+def test_completions_answer_as_hf_with_a_piecewise_prefill_and_a_full_graph_per_decode(server):
     base, _ = server
-    prompt = "The capital of France is"
-    check_logprobs_close(hf_greedy(str(smollm2_dir()), prompt, 16), completion(base, prompt, 16),
-                         "completions")
+    before = [collections.Counter(c["replayed"]) for c in served_graph_counts(base)]
+    prompt = "The capital of France is"  # 6 tokens: a PIECEWISE prefill (padded to 8)
+    check_logprobs_close(hf_greedy(model_path("llama"), prompt, TOKENS),
+                         served_completion(base, NAME, prompt, TOKENS, RANK_0), "completions")
+    after = [collections.Counter(c["replayed"]) for c in served_graph_counts(base)]
+    for rank, (was, now) in enumerate(zip(before, after)):  # both TP ranks of DP engine 0
+        assert now - was == {"PIECEWISE": LAYERS + 1, "FULL": TOKENS - 1}, (rank, now - was)
 
 
-def test_chat_completions_endpoint_answers_as_hf_transformers(server):
+def test_chat_completions_answer_as_hf(server):
+    import transformers
+
     base, _ = server
     messages = [{"role": "user", "content": "What is the capital of Japan?"}]
     r = requests.post(f"{base}/v1/chat/completions", timeout=120, json={
-        "model": "smollm2", "max_tokens": 16, "temperature": 0, "ignore_eos": True,
+        "model": NAME, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True,
         "messages": messages, "logprobs": True, "top_logprobs": TOPK,
         "return_tokens_as_token_ids": True})
     assert r.status_code == 200, r.text
     content = r.json()["choices"][0]["logprobs"]["content"]
     answer = ([token_id(c["token"]) for c in content],
               [{token_id(t["token"]): t["logprob"] for t in c["top_logprobs"]} for c in content])
-    tok = transformers.AutoTokenizer.from_pretrained(smollm2_dir())
+    tok = transformers.AutoTokenizer.from_pretrained(model_path("llama"))
     prompt_ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     prompt_ids = getattr(prompt_ids, "input_ids", prompt_ids)
-    check_logprobs_close(hf_greedy(str(smollm2_dir()), tuple(prompt_ids), 16), answer, "chat")
+    check_logprobs_close(hf_greedy(model_path("llama"), tuple(prompt_ids), TOKENS), answer, "chat")
 
 
 def test_bad_request_gets_an_error_and_the_server_keeps_serving(server):
     base, _ = server
     r = requests.post(f"{base}/v1/completions", timeout=60, json={
-        "model": "smollm2", "prompt": "word " * 2000, "max_tokens": 4})
+        "model": NAME, "prompt": "word " * 2000, "max_tokens": 4})
     assert r.status_code == 400
     assert "maximum" in r.text.lower() or "context length" in r.text.lower()
-    prompt = "The capital of France is"
-    check_logprobs_close(hf_greedy(str(smollm2_dir()), prompt, 8), completion(base, prompt, 8),
-                         "after a bad request")
+    answers_as_hf(base, ["After a bad request, the answer is"])
+
+
+def test_16_concurrent_requests_answer_as_tp1_on_both_engines(server):
+    base, _ = server
+    before = finished_per_engine(base)
+    answers_as_hf(base, [f"Request {i} of sixteen: the answer is" for i in range(16)])
+    after = finished_per_engine(base)
+    served = {e: after[e] - before[e] for e in after}
+    assert sum(served.values()) == 16 and all(served.values()), served
+
+
+def test_a_load_pinned_to_one_rank_finishes_and_the_idle_rank_still_answers(server):
+    base, _ = server
+    before = finished_per_engine(base)
+    answers_as_hf(base, [f"Pinned {i}: one, two," for i in range(8)], headers=RANK_0)
+    middle = finished_per_engine(base)
+    assert middle["0"] - before["0"] == 8 and middle["1"] == before["1"], (before, middle)
+    answers_as_hf(base, ["After idling, rank one says"], headers={"X-data-parallel-rank": "1"})
+    assert finished_per_engine(base)["1"] == middle["1"] + 1
+
+
+def test_vllm_bench_serve_measures_the_server(server):
+    """`vllm bench serve`, in this process: its subcommand's arguments, and the function its
+    command runs (vllm.benchmarks.serve.main), which returns the figures it prints."""
+    from vllm.benchmarks.serve import main
+    from vllm.entrypoints.cli.benchmark.serve import BenchmarkServingSubcommand
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    base, _ = server
+    parser = FlexibleArgumentParser()
+    BenchmarkServingSubcommand.add_cli_args(parser)
+    args = parser.parse_args([
+        "--backend", "vllm", "--base-url", base, "--model", NAME, "--tokenizer",
+        model_path("llama"), "--dataset-name", "random", "--random-input-len", "16",
+        "--random-output-len", "8", "--num-prompts", "8", "--seed", "0", "--ignore-eos",
+        "--disable-tqdm"])
+    result = main(args)
+    assert (result["completed"], result["failed"], result["total_output_tokens"]) == (8, 0, 64)
+    assert result["output_throughput"] > 0

@@ -6,21 +6,25 @@ metrics read back."""
 import pytest
 
 from tests.e2e.conftest import (PROMPTS, check_logprobs_close, engine, expected_replays,
-                                graph_counts, hf_greedy, max_tokens_for, model_path, replays,
+                                graph_counts, hf_greedy, MAX_TOKENS, model_path, replays,
                                 speculative_config, vllm_greedy)
 
-MODES = ["NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]
 MAX_NUM_SEQS = 4
-# (family, method, num_speculative_tokens, graph mode). Llama runs every method in every mode;
-# Qwen2 and Qwen3 run one method each; SmolLM2 runs n-gram on a repetitive prompt (where it
-# drafts at every step) and its own EAGLE head.
-CASES = ([("llama", "ngram", 3, m) for m in MODES]
-         + [("llama", "draft_model", 2, m) for m in MODES]
-         + [("llama", "eagle", 4, m) for m in MODES]
+# (family, method, num_speculative_tokens, graph mode). Every method runs in FULL_AND_PIECEWISE
+# (the drafter's PIECEWISE graphs, FULL verify graphs, and for n-gram PIECEWISE verify steps
+# where some request found no draft), and every mode runs with at least one method: n-gram in
+# FULL (non-uniform verify batches in FULL graphs), a draft model eagerly (NONE) and in
+# FULL_DECODE_ONLY, EAGLE in PIECEWISE (verify steps in pieces) and FULL_DECODE_ONLY (both
+# with a verify batch padded by whole fake requests). Qwen2 and Qwen3 run one method each;
+# SmolLM2 runs n-gram on a repetitive prompt, where it drafts at every step.
+CASES = ([("llama", "ngram", 3, m) for m in ("FULL", "FULL_AND_PIECEWISE")]
+         + [("llama", "draft_model", 2, m) for m in ("NONE", "FULL_DECODE_ONLY",
+                                                     "FULL_AND_PIECEWISE")]
+         + [("llama", "eagle", 4, m) for m in ("PIECEWISE", "FULL_DECODE_ONLY",
+                                               "FULL_AND_PIECEWISE")]
          + [("qwen2", "ngram", 1, "FULL_AND_PIECEWISE"),
             ("qwen3", "draft_model", 1, "FULL_DECODE_ONLY"),
-            ("smollm2", "ngram", 3, "FULL_DECODE_ONLY"),
-            ("smollm2", "eagle", 2, "FULL_AND_PIECEWISE")])
+            ("smollm2", "ngram", 3, "FULL_DECODE_ONLY")])
 REPETITIVE = "1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2,"
 
 
@@ -65,7 +69,7 @@ def test_greedy_output_equals_non_speculative_with_graph_replays(spec_llm):
         prompts = [REPETITIVE] if family == "smollm2" else [REPETITIVE, *PROMPTS[:2]]
     else:
         prompts = PROMPTS
-    n = max_tokens_for(family)
+    n = MAX_TOKENS
     before = spec_metrics(llm)
     with replays(llm) as made:
         outs = vllm_greedy(llm, prompts, n)

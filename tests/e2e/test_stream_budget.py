@@ -1,12 +1,13 @@
 """A deliberately small stream budget: start-up captures exactly the sizes the budget function
-keeps; a budget the device does not have fails capture with 207008 and the advice."""
+keeps; a budget the device does not have fails capture with 207008 and the advice; when not one
+size fits, FULL_AND_PIECEWISE falls back to FULL and says so."""
 
 
 import pytest
 from vllm.config import CUDAGraphMode
 
 from tests.e2e.conftest import (check_logprobs_close, engine, graph_counts, hf_greedy,
-                                model_path, replays, vllm_greedy)
+                                model_path, platform_log, replays, vllm_greedy)
 from vllm_ascend.compilation.capture_sizes import plan_capture_sizes
 
 SIZES = [1, 2, 4, 8, 16]
@@ -43,12 +44,32 @@ def test_small_budget_captures_exactly_the_kept_sizes(small_budget):
         assert made["replayed"] == {"PIECEWISE": 8 * 3}
 
 
-def test_a_budget_the_device_does_not_have_fails_capture_with_207008_and_advice(small_budget,
-                                                                                capfd):
+def test_a_budget_the_device_does_not_have_fails_capture_with_207008_and_advice(small_budget):
     # The plan trusts a configured total of 100 streams; the device has 10.
-    with pytest.raises(RuntimeError):
-        with start(multiprocess=True, graph_stream_total=100):  # its log: the engine's stderr
+    with pytest.raises(RuntimeError) as failure:
+        with start(graph_stream_total=100):
             pass
-    err = capfd.readouterr().err
-    assert "207008" in err and "stream resources are insufficient" in err
-    assert "Capture fewer graphs: lower the capture sizes" in err
+    message = str(failure.value)
+    assert "207008" in message and "stream resources are insufficient" in message
+    assert "Capture fewer graphs: lower the capture sizes" in message
+
+
+def test_when_not_one_size_fits_full_and_piecewise_falls_back_to_full():
+    """2 streams: a FULL_AND_PIECEWISE size costs 4 (3 pieces + 1 FULL graph), a FULL one 1:
+    the mode narrows to FULL, says so, and its two sizes replay."""
+    with platform_log() as log, engine(
+            model_path("llama"), max_num_seqs=4,
+            additional_config={"graph_stream_total": 2, "graph_stream_reserve": 0},
+            compilation_config={"cudagraph_mode": "FULL_AND_PIECEWISE",
+                                "cudagraph_capture_sizes": [1, 2, 4, 8]}) as llm:
+        cc = llm.llm_engine.vllm_config.compilation_config
+        assert cc.cudagraph_mode == CUDAGraphMode.FULL and cc.cudagraph_capture_sizes == [1, 8]
+        assert graph_counts(llm)["captured"] == {"FULL": 2}
+        prompt = "The capital of France is"
+        with replays(llm) as made:
+            out = vllm_greedy(llm, [prompt], 8)[0]
+        check_logprobs_close(hf_greedy(model_path("llama"), prompt, 8), out)
+        assert made["replayed"] == {"FULL": 8}  # the 6-token prefill too (size 8), 7 decodes
+    assert ("vllm-ascend: graph mode FULL (configured FULL_AND_PIECEWISE): as configured "
+            "(vLLM's default unless set); not one FULL_AND_PIECEWISE capture size fits the "
+            "stream budget (4 streams per size, 2 usable): FULL instead") in log

@@ -82,11 +82,11 @@ TABLE = {
 def call_log(tmp_path_factory):
     path = tmp_path_factory.mktemp("calls") / "torch_npu_calls.jsonl"
     with pytest.MonkeyPatch.context() as env:
-        env.setenv("VLLM_ASCEND_SIM_CALL_LOG", str(path))  # read when the engine process starts
+        env.setenv("VLLM_ASCEND_SIM_CALL_LOG", str(path))  # read when an engine is prepared
         # Qwen3: q/k RMSNorm on head views as well as the residual norms.
         for mode in ({"enforce_eager": True}, {"compilation_config": {
                 "cudagraph_mode": "FULL_AND_PIECEWISE", "cudagraph_capture_sizes": [1, 2, 4]}}):
-            with engine(model_path("qwen3"), max_num_seqs=4, multiprocess=True, **mode) as llm:
+            with engine(model_path("qwen3"), max_num_seqs=4, **mode) as llm:
                 vllm_greedy(llm, ["The capital of France is", "1, 2, 3,", "Hello"], 6)
     return [json.loads(line) for line in path.read_text().splitlines()]
 
