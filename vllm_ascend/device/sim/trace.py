@@ -2,10 +2,11 @@
 
 With ``VLLM_ASCEND_SIM_CALL_LOG=<path>`` set when a process imports the simulator or prepares
 an engine, every call into the simulated torch_npu surface (while the setting stays) appends one
-JSON line per distinct call shape made from Python (an eager step, attention between
-graph pieces, a capture or a task update; a compiled piece calls its ops directly): the API name, and for each argument (positional
-in order, then keywords) its kind: a tensor's dtype, rank and contiguity, a host list, a
-string's value, a stream's state. The simulator's own setting: the product does not know of it.
+JSON line per distinct call shape made from Python (an eager step, attention between graph
+pieces, a capture or a task update; a compiled piece calls its ops directly): the API name, and
+for each argument (positional in order, then keywords) its kind: a tensor's dtype, rank and
+contiguity, a host list, a string's value, a stream's state. The simulator's own setting: the
+product does not know of it.
 """
 
 import functools
