@@ -78,7 +78,7 @@ class NPUPlatform(Platform):
 
     @classmethod
     def is_pin_memory_available(cls) -> bool:
-        return device.current.name == "npu"
+        return device.current.pin_memory_available()
 
     @classmethod
     def import_kernels(cls) -> None:
@@ -140,9 +140,7 @@ class NPUPlatform(Platform):
 
     @classmethod
     def get_device_communicator_cls(cls) -> str:
-        if device.current.name == "sim":
-            return "vllm.distributed.device_communicators.cpu_communicator.CpuCommunicator"
-        return super().get_device_communicator_cls()
+        return device.current.communicator_cls() or super().get_device_communicator_cls()
 
     @classmethod
     def inference_mode(cls):

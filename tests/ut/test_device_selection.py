@@ -38,3 +38,25 @@ def test_entry_point_registers_the_platform():
 
     eps = [ep for ep in entry_points(group="vllm.platform_plugins") if ep.name == "ascend"]
     assert eps and eps[0].load()() == "vllm_ascend.platform.NPUPlatform"
+
+
+def test_the_platform_and_worker_read_device_facts_not_the_backend_name():
+    """What differs between the chip and the simulator is a fact of the device backend; the
+    platform and the worker ask for the fact."""
+    import os
+    import types
+
+    from vllm_ascend.device import NpuBackend, SimBackend, sim
+    from vllm_ascend.platform import NPUPlatform
+
+    chip = NpuBackend(types.SimpleNamespace(), "test")
+    assert (chip.pin_memory_available(), chip.communicator_cls(), chip.host_compute_threads(),
+            chip.memory_setting()) == (True, None, None, None)
+    simulated = SimBackend(sim, "test")
+    assert simulated.pin_memory_available() is False
+    assert simulated.communicator_cls().endswith("cpu_communicator.CpuCommunicator")
+    assert simulated.host_compute_threads() == len(os.sched_getaffinity(0))
+    assert simulated.memory_setting() == "VLLM_ASCEND_SIM_MEMORY_GB"
+    # This process runs the simulator: the platform answers with its facts.
+    assert NPUPlatform.is_pin_memory_available() is False
+    assert NPUPlatform.get_device_communicator_cls() == simulated.communicator_cls()

@@ -64,6 +64,23 @@ class Backend:
         """Streams held by captured graphs, where the device lets us count them."""
         return None
 
+    def pin_memory_available(self) -> bool:
+        """Whether host memory can be page-locked for copies to this device."""
+        return True
+
+    def communicator_cls(self) -> str | None:
+        """vLLM's device communicator for this device, or None for the platform's default."""
+        return None
+
+    def host_compute_threads(self) -> int | None:
+        """Torch threads a worker should keep when the host computes the device's work, or None
+        when the device computes it (vLLM then keeps one thread for serving)."""
+        return None
+
+    def memory_setting(self) -> str | None:
+        """The setting that sizes this device's memory, where there is one."""
+        return None
+
     def fork_unsafe_reason(self) -> str | None:
         """Why a child process of this one must be spawned rather than forked, or None."""
         # As vLLM does for CUDA: a forked child cannot use a device its parent initialised.
@@ -95,6 +112,20 @@ class SimBackend(Backend):
 
     def stream_budget(self) -> int:
         return self.torch_npu.npu.stream_budget()
+
+    def pin_memory_available(self) -> bool:
+        # torch's CPU build pins host memory only for an accelerator, and here there is none.
+        return False
+
+    def communicator_cls(self) -> str | None:
+        # Collectives run on gloo between host processes.
+        return "vllm.distributed.device_communicators.cpu_communicator.CpuCommunicator"
+
+    def host_compute_threads(self) -> int | None:
+        return len(os.sched_getaffinity(0))  # the CPU *is* the device: every core computes
+
+    def memory_setting(self) -> str | None:
+        return "VLLM_ASCEND_SIM_MEMORY_GB"
 
     def streams_in_use(self) -> int | None:
         return self.torch_npu.npu.streams_in_use()

@@ -44,13 +44,15 @@ class NPUWorker(Worker):
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
         super().load_model(load_dummy_weights=load_dummy_weights)
-        # Upstream then drops torch to 1 thread for serving; on the simulator the CPU *is* the
-        # accelerator, so it keeps every core unless the user set OMP_NUM_THREADS themselves.
+        # Upstream then drops torch to 1 thread for serving; where the host computes the
+        # device's work (the simulator), it keeps every core unless the user set
+        # OMP_NUM_THREADS themselves.
         user_set = ("OMP_NUM_THREADS" in os.environ
                     and os.environ.get(OMP_NUM_THREADS_SET_BY_VLLM) != "1")
-        if device.current.name == "sim" and not user_set:
-            torch.set_num_threads(len(os.sched_getaffinity(0)))
-            logger.info("vllm-ascend: the simulator computes on the host: %d torch threads "
+        threads = device.current.host_compute_threads()
+        if threads is not None and not user_set:
+            torch.set_num_threads(threads)
+            logger.info("vllm-ascend: the host computes the device's work: %d torch threads "
                         "(set OMP_NUM_THREADS to choose another number)", torch.get_num_threads())
 
     @torch.inference_mode()
@@ -68,7 +70,8 @@ class NPUWorker(Worker):
         budget = int(total * self.cache_config.gpu_memory_utilization)
         available = budget - weights - activations
         if available <= 0:
-            hint = ", set VLLM_ASCEND_SIM_MEMORY_GB higher" if backend.name == "sim" else ""
+            setting = backend.memory_setting()
+            hint = f", set {setting} higher" if setting else ""
             raise ValueError(
                 f"No memory left for the KV cache on the {backend.name} device: "
                 f"{budget / GiB:.2f} GiB budget ({total / GiB:.2f} GiB x "
