@@ -9,7 +9,7 @@ import sys
 from scripts import demo
 from scripts.demo import EXPECTED
 from tests.conftest import ROOT
-from tests.e2e.conftest import in_process, model_path
+from tests.e2e.conftest import in_process
 
 BOUND_S = 600  # the demo takes about 2 minutes on a 2-core machine, conversion included
 

@@ -19,6 +19,11 @@ MAX_NUM_SEQS = 8
 CASES = [("llama", m) for m in MODES] + [(f, "FULL_AND_PIECEWISE")
                                          for f in ("qwen2", "qwen3", "smollm2")]
 DTYPES = {"qwen3": "float16"}
+
+
+def dtype_of(family: str) -> str:
+    return DTYPES.get(family, "bfloat16")
+
 SHORT = "Hi there"  # 2 tokens: a prefill within the largest capture size
 
 
@@ -26,7 +31,7 @@ SHORT = "Hi there"  # 2 tokens: a prefill within the largest capture size
 def graph_llm(request):
     family, mode = request.param
     with engine(model_path(family), max_num_seqs=MAX_NUM_SEQS,
-                dtype=DTYPES.get(family, "bfloat16"), compilation_config={
+                dtype=dtype_of(family), compilation_config={
                     "cudagraph_mode": mode, "cudagraph_capture_sizes": CAPTURE_SIZES}) as llm:
         yield family, mode, llm
 
@@ -42,7 +47,7 @@ def check(llm, family, mode, prompts, label) -> dict:
         outs = vllm_greedy(llm, prompts, n)
     for prompt, out in zip(prompts, outs):
         check_logprobs_close(hf_greedy(model_path(family), prompt, n), out, f"{label} {prompt!r}",
-                             dtype=DTYPES.get(family, "bfloat16"))
+                             dtype=dtype_of(family))
     assert len(made["steps"]) >= n, made["steps"]  # one step per generated token, at least
     assert made["replayed"] == expected_replays(mode, made["steps"], num_layers(llm),
                                                 max(CAPTURE_SIZES)), made
@@ -53,7 +58,7 @@ def test_graphs_captured_per_piece_and_size_on_our_backend(graph_llm):
     family, mode, llm = graph_llm
     assert llm.llm_engine.vllm_config.compilation_config.cudagraph_mode.name == mode
     assert str(llm.llm_engine.vllm_config.model_config.dtype) == \
-        f"torch.{DTYPES.get(family, 'bfloat16')}"
+        f"torch.{dtype_of(family)}"
     assert loaded_class(llm) == OUR_CLASSES[family]  # the per-family file, with its fusions
 
     def probe(worker):
