@@ -188,10 +188,6 @@ class NPUPlatform(Platform):
             cache_config.block_size = ASCEND_BLOCK_SIZE
 
         scheduler_config = vllm_config.scheduler_config
-        if device.current.name == "sim" and scheduler_config.async_scheduling:
-            # Async scheduling overlaps host and device work on separate streams; the simulator
-            # runs both on the host, so it would only add copies.
-            scheduler_config.async_scheduling = False
         cls._check_speculative_config(vllm_config.speculative_config, parallel_config)
         if vllm_config.speculative_config is not None and scheduler_config.async_scheduling:
             # Under async speculative decoding the host's KV lengths are only an upper bound
