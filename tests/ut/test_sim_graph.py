@@ -80,6 +80,37 @@ def test_item_and_tolist_during_capture_raise_and_release_the_stream():
     assert npu.streams_in_use() == before
 
 
+@pytest.mark.parametrize("copy", [lambda y: y.cpu(), lambda y: y.numpy(),
+                                  lambda y: y.to("cpu"), lambda y: y.to(device="cpu:0"),
+                                  lambda y: y.to("cpu", non_blocking=True)],
+                         ids=[".cpu()", ".numpy()", '.to("cpu")', '.to(device="cpu:0")',
+                              "non_blocking"])
+def test_a_device_to_host_copy_during_capture_raises(copy):
+    x = torch.tensor([1.5, -2.0, 4.0])
+    with pytest.raises(GraphCaptureError, match="device-to-host copy"):
+        capture(lambda: copy(x * 2))
+    assert copy(x * 2).tolist() == [3.0, -4.0, 8.0]  # outside a capture it is a copy
+    # The simulated device is the CPU: a copy to the device object stays in the graph.
+    g, y = capture(lambda: (x * 2).to(torch.device("cpu"), torch.float16))
+    x.fill_(1.0)
+    g.replay()
+    assert y.tolist() == [2.0, 2.0, 2.0]
+
+
+def test_a_weak_reference_reads_poison_once_its_owner_is_released():
+    owner = torch.arange(6, dtype=torch.float32)
+    weak = torch_npu._C._weak_ref_tensor(owner)
+    assert weak.data_ptr() == owner.data_ptr() and weak.tolist() == [0, 1, 2, 3, 4, 5]
+    view = owner[2:]  # another owner of the same memory
+    del owner
+    assert weak.tolist() == [0, 1, 2, 3, 4, 5]  # still owned
+    del view, weak
+    weak = torch_npu._C._weak_ref_tensor(torch.arange(6, dtype=torch.float32))
+    assert weak.isnan().all()  # its only owner went at once: on the chip, someone else's memory
+    ids = torch_npu._C._weak_ref_tensor(torch.arange(4, dtype=torch.int32))
+    assert ids.tolist() == [-1, -1, -1, -1]
+
+
 def test_stream_budget_exhaustion_raises_207008_and_reset_frees_a_stream(monkeypatch):
     w, x = torch.randn(8, 8), torch.randn(2, 8)
     base = npu.streams_in_use()
@@ -130,13 +161,16 @@ def test_graph_wrapper_refuses_inputs_at_other_addresses_counts_and_releases():
         out = wrapper(x)
         x.copy_(torch.randn(2, 8))
         torch.testing.assert_close(wrapper(x), x @ w)
-        assert wrapper(x) is out
+        replayed = wrapper(x)  # a non-owning reference to the captured output's memory
+        assert replayed is not out and replayed.data_ptr() == out.data_ptr()
         with pytest.raises(RuntimeError, match="inputs at other addresses"):
             wrapper(x.clone())
     assert state.counts() == {"captured": {"PIECEWISE": 1}, "replayed": {"PIECEWISE": 2}}
     assert device.current.streams_in_use() == streams + 1
+    del out
     state.release()  # the engine's shutdown: its graphs and their streams go
     assert device.current.streams_in_use() == streams and not wrapper.entries
+    assert replayed.isnan().all()  # the memory went with the graph
 
 
 def test_a_wrapper_without_the_runners_graph_state_is_a_clear_error():
@@ -223,6 +257,32 @@ def test_task_update_with_event_gives_the_replay_this_steps_lengths_in_either_or
             a.update(kv_len)  # the record resumes it
         torch.testing.assert_close(a.out, a.eager(kv_len))
         torch.testing.assert_close(a.doubled, a.eager(kv_len) * 2)
+
+
+def test_a_replay_that_does_not_wait_for_its_update_reads_stale_lengths():
+    """The update stream runs beside the replay: without a captured wait on the update's event
+    the chip may run attention before the update lands. The simulator runs the update as late
+    as the events allow, so the broken variant reads the previous step's lengths."""
+    a = Attention()
+    a.capture(3, with_event=False)
+    for previous, kv_len in ((3, 9), (9, 5), (5, 12)):
+        a.graph.replay()
+        a.update(kv_len, record=False)  # nothing in the graph waits for it
+        torch.testing.assert_close(a.out, a.eager(previous))
+        assert not torch.allclose(a.out, a.eager(kv_len))
+
+
+def test_side_stream_work_runs_when_an_event_orders_it():
+    a = Attention()
+    a.capture(3)
+    a.update(9)  # queued on the update stream, with its record
+    done = npu.Event()
+    done.record(a.stream)
+    assert not done.query() and not a.event._recorded
+    done.wait(npu.current_stream())  # the current stream's next work comes after it
+    assert done.query() and a.event._recorded
+    a.graph.replay()
+    torch.testing.assert_close(a.out, a.eager(9))
 
 
 def test_a_replay_whose_event_nobody_records_fails_loudly():

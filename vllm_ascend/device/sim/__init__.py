@@ -8,6 +8,7 @@ import sys
 
 import torch
 
+from vllm_ascend.device.sim import graph as _graph
 from vllm_ascend.device.sim import npu  # noqa: F401  (torch_npu.npu, i.e. torch.npu)
 from vllm_ascend.device.sim import ops as _ops
 
@@ -108,9 +109,8 @@ class _C:
 
     @staticmethod
     def _weak_ref_tensor(tensor):
-        # torch_npu returns a non-owning alias. A CPU tensor has none in torch's Python API, so
-        # the simulator returns the tensor itself: a captured graph keeps it alive anyway.
-        return tensor
+        # A non-owning alias: its memory is poisoned once its owner is released (graph.py).
+        return _graph.weak_ref_tensor(tensor)
 
 
 def log_calls_if_requested() -> None:

@@ -16,7 +16,8 @@ frozen as a graph pool would leave it:
 * replay is a flat list of prepared kernel calls (``.out`` overloads where the op has one), with
   no Python of the model in it, cut where a node waits on an ExternalEvent.
 
-A host synchronisation during capture (``.item()``, ``.tolist()``) raises, as on the chip. Each
+A host synchronisation during capture (``.item()``, ``.tolist()``) or a device-to-host copy
+(``.cpu()``, ``.numpy()``, ``.to("cpu")``) raises, as on the chip. Each
 live graph holds one stream of the device's budget; exhausting it raises error 207008.
 """
 
@@ -26,7 +27,7 @@ import weakref
 
 import torch
 from torch._C import DispatchKey
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 
 STREAM_EXHAUSTED_CODE = 207008
@@ -149,10 +150,33 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
-def _tolist_during_capture(self, *args, **kwargs):
-    raise GraphCaptureError(
-        "a host synchronisation (.tolist()) happened during graph capture; on the chip this fails "
+def _host_copy_error(what: str) -> GraphCaptureError:
+    return GraphCaptureError(
+        f"a device-to-host copy ({what}) happened during graph capture; on the chip this fails "
         "the capture. Read host values before the captured region.")
+
+
+def _refusing(name: str):
+    def refuse(self, *args, **kwargs):
+        raise _host_copy_error(f".{name}()")
+    return refuse
+
+
+def _to_refusing_host(original):
+    """Tensor.to during capture: a copy to "cpu" named as a string is the host (vLLM and
+    upstream write device copies with the device object, which on the simulator is the CPU)."""
+    def to(self, *args, **kwargs):
+        target = kwargs.get("device", args[0] if args else None)
+        if isinstance(target, str) and target.split(":")[0] == "cpu":
+            raise _host_copy_error(f'.to("{target}")')
+        return original(self, *args, **kwargs)
+    return to
+
+
+# Tensor methods that copy device memory to the host without a dispatcher op the recorder sees
+# (on the simulator the device tensor already is a host tensor).
+_HOST_COPIES = {"tolist": _refusing("tolist"), "numpy": _refusing("numpy"),
+                "cpu": _refusing("cpu")}
 
 
 _OUT_OVERLOADS: dict = {}
@@ -208,6 +232,66 @@ def _tensors(tree) -> list[torch.Tensor]:
     return [x for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]
 
 
+# -- non-owning references (torch_npu._C._weak_ref_tensor) -----------------------------------------
+
+_WEAK_ALIASES: dict[int, list] = {}  # storage key -> weak references to its non-owning aliases
+_POISON_BYTE = 0xFF  # all ones: NaN in every float dtype, -1 in every signed integer one
+
+
+def weak_ref_tensor(t: torch.Tensor) -> torch.Tensor:
+    """An alias of ``t`` that does not own its memory, as torch_npu's is. torch has no
+    non-owning CPU tensor, so the alias shares the storage and the simulator watches it: when
+    nothing but such aliases holds the memory (its owner was released: a tensor dropped, a graph
+    reset, a pool freed), the memory is poisoned, so a reader sees NaN (or -1) where the chip
+    would read memory given to someone else. What is watched: ``t`` itself and, for memory a
+    capture moved into its pool, the graph's tensors and the pool (an owner made from ``t``
+    elsewhere, such as a view, is not: while it lives the memory counts as owned)."""
+    with _disable_current_modes():  # not part of a graph being captured
+        alias = torch.empty(0, dtype=t.dtype, device=t.device).set_(
+            t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
+    key = _storage_key(t)
+    _WEAK_ALIASES.setdefault(key, []).append(weakref.ref(alias))
+    weakref.finalize(t, _poison_if_unowned, key)
+    return alias
+
+
+def _live_aliases(key: int) -> list[torch.Tensor]:
+    aliases = [a for a in (r() for r in _WEAK_ALIASES.get(key, ())) if a is not None]
+    if aliases:
+        _WEAK_ALIASES[key] = [weakref.ref(a) for a in aliases]
+    else:
+        _WEAK_ALIASES.pop(key, None)
+    return aliases
+
+
+def _poison_if_unowned(key: int) -> None:
+    """Called as an owner of the memory at ``key`` goes: poison it if only aliases hold it."""
+    aliases = _live_aliases(key)
+    if not aliases:
+        return
+    storage = aliases[0].untyped_storage()
+    # The storage's references: the aliases, the `storage` object just made, the owner going
+    # (its weak-reference callbacks run before it lets go of its storage), and other owners.
+    if torch._C._storage_Use_Count(storage._cdata) - 2 - len(aliases) > 0:
+        return
+    with _disable_current_modes():
+        torch.empty(0, dtype=torch.uint8).set_(storage).fill_(_POISON_BYTE)
+
+
+def _move_aliases(key: int, storage, byte_offset: int, owners) -> None:
+    """A storage the capture moved into the pool's arena: its aliases follow it, and the
+    tensors that own it there (``owners``) poison it for them when they go."""
+    for alias in _live_aliases(key):
+        with _disable_current_modes():
+            alias.set_(storage, byte_offset // alias.element_size() + alias.storage_offset(),
+                       alias.size(), alias.stride())
+        new_key = _storage_key(alias)
+        _WEAK_ALIASES.setdefault(new_key, []).append(weakref.ref(alias))
+        for owner in owners:
+            weakref.finalize(owner, _poison_if_unowned, new_key)
+    _WEAK_ALIASES.pop(key, None)
+
+
 class _Slot:
     """Stands for an internal tensor of the record while its liveness is decided."""
 
@@ -258,14 +342,18 @@ class SimGraph:
         self._holds_stream = True
         self._inference = torch.is_inference_mode_enabled()
         self._recorder = _Recorder()
-        self._saved_tolist = torch.Tensor.tolist
-        torch.Tensor.tolist = _tolist_during_capture
+        self._saved_methods = {name: getattr(torch.Tensor, name)
+                               for name in (*_HOST_COPIES, "to")}
+        for name, method in _HOST_COPIES.items():
+            setattr(torch.Tensor, name, method)
+        torch.Tensor.to = _to_refusing_host(self._saved_methods["to"])
         self._recorder.__enter__()
 
     def end(self, pool: GraphPool, failed: bool = False) -> None:
         recorder, self._recorder = self._recorder, None
         recorder.__exit__(None, None, None)
-        torch.Tensor.tolist = self._saved_tolist
+        for name, method in self._saved_methods.items():
+            setattr(torch.Tensor, name, method)
         if recorder.group is not None and not failed:
             self.reset()
             raise GraphCaptureError("capture ended inside a task group: call "
@@ -332,6 +420,11 @@ class SimGraph:
                 tensors[k] = m.view_of(arena, offset_of[m.key])
             else:
                 tensors[k] = m.view_of(m.storage)
+        # Non-owning aliases of moved storages (upstream keeps FIA's query and output that way)
+        # point where the graph now reads and writes them.
+        for key in set(offset_of) & set(_WEAK_ALIASES):
+            owners = [tensors[k] for k, m in enumerate(metas) if m.key == key]
+            _move_aliases(key, arena, offset_of[key], [*owners, pool.arena])
         del alive, metas
 
         plain: dict[int, torch.Tensor] = {}
@@ -411,9 +504,10 @@ class SimGraph:
         return (run_then_copy, args, kwargs, group)
 
     # -- task updates -------------------------------------------------------------------------
-    def task_update(self, group: int, func, args: tuple, kwargs: dict) -> None:
-        """Replace the host arguments of the group's ``func`` node, from the next time it runs.
-        Tensor arguments must be the captured ones (same address and shape)."""
+    def task_update(self, group: int, func, args: tuple, kwargs: dict):
+        """Check a task update of the group's ``func`` node; returns the function that applies
+        it (the node runs with the new host arguments from then on). Tensor arguments must be
+        the captured ones (same address and shape)."""
         found = [(s, i) for s, i in self._group_calls.get(group, ())
                  if self.segments[s][0][i][0] is func]
         if len(found) != 1:
@@ -431,7 +525,12 @@ class SimGraph:
                 raise RuntimeError(
                     f"graph_task_update: {name} is not the captured tensor (a task update may "
                     "change host arguments only; tensors must keep their address and shape)")
-        self.segments[s][0][i] = (fn, tuple(args), dict(kwargs), group)
+        call, segments = (fn, tuple(args), dict(kwargs), group), self.segments
+
+        def apply():
+            if self.segments is segments:  # not reset since (a reset graph has no tasks)
+                segments[s][0][i] = call
+        return apply
 
     # -- replay -------------------------------------------------------------------------------
     def run(self, start: int = 0) -> int | None:

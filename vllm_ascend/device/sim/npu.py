@@ -1,12 +1,18 @@
 """The simulator's ``torch.npu`` (``torch_npu.npu``): streams, events, ACL graphs, task groups.
 
-The host is the device: work issued to any stream runs at once, in program order, so streams
-name where work was issued rather than reorder it. What the chip's contracts make observable is
-kept: a graph captures only on a capturing (non-default) stream; task groups open only there and
-task updates only on a non-capturing one; an ExternalEvent captured as a wait holds the replay at
-that node until an update records it (the replay resumes inside ``record``), and a replay left
-waiting on an event nobody records fails loudly as soon as anything depends on it, where the chip
-would hang.
+The host is the device: torch ops run at once, in program order, as on the default stream.
+The work the simulator issues itself on a side stream (task updates, event records) is queued on
+that stream and runs only when something orders it: an event wait or synchronisation, a
+``wait_stream``, a host synchronisation, or a replayed graph node that waits on an ExternalEvent
+the stream records. The chip runs a side stream concurrently, so its work may land at any point
+up to that order; the simulator takes the latest, so a replay that does not wait for its update
+runs with the stale host lists (as it can on a chip) instead of the fresh ones.
+
+What the chip's contracts make observable is kept: a graph captures only on a capturing
+(non-default) stream; task groups open only there and task updates only on a non-capturing one;
+an ExternalEvent captured as a wait holds the replay at that node until an update records it (the
+replay resumes inside ``record``), and a replay left waiting on an event nobody records fails
+loudly as soon as anything depends on it, where the chip would hang.
 """
 
 import contextlib
@@ -49,12 +55,34 @@ class Stream:
         self.capturing: "_graph.SimGraph | None" = None  # the graph capturing on this stream
         self.update_handle = None  # the task group an update is open for
         self.update_issued = False
+        self._queue: list = []  # deferred work: (sequence number, fn)
+        self._issued = 0  # sequence number of the last work issued here
+
+    def defer(self, fn) -> None:
+        """Issue ``fn`` as work of this stream: at once on the default stream, else queued."""
+        if self is _STREAMS.default:
+            fn()
+            return
+        self._issued += 1
+        self._queue.append((self._issued, fn))
+        _PENDING[self] = None
+
+    def flush(self, upto: "int | None" = None) -> None:
+        """Run the queued work, up to sequence number ``upto`` (all of it when None)."""
+        while self._queue and (upto is None or self._queue[0][0] <= upto):
+            _, fn = self._queue.pop(0)
+            fn()
+        if not self._queue:
+            _PENDING.pop(self, None)
+
+    def done(self, upto: int) -> bool:
+        return not self._queue or self._queue[0][0] > upto
 
     def synchronize(self) -> None:
         _check_no_waiting_replay("synchronize")
 
     def wait_stream(self, stream) -> None:
-        pass
+        stream.flush()  # this stream's later work runs after all that ``stream`` holds now
 
     def __repr__(self):
         return f"<sim npu Stream {id(self):#x}>"
@@ -67,6 +95,14 @@ class _Streams(threading.local):
 
 
 _STREAMS = _Streams()
+_PENDING: dict = {}  # streams with queued work, in the order they got it
+
+
+def _flush_all() -> None:
+    """A host synchronisation: every stream's queued work runs (side streams progress on their
+    own on the chip, so a host that blocks sees all of it done)."""
+    while _PENDING:
+        next(iter(_PENDING)).flush()
 
 
 def current_stream(device=None) -> Stream:
@@ -100,22 +136,27 @@ def is_current_stream_capturing() -> bool:
 # -- events ----------------------------------------------------------------------------------------
 
 class Event:
-    """A host-ordered event: work before it has always completed."""
+    """Marks a point in a stream's work: waiting on it (or synchronising it) runs that stream's
+    queued work up to the mark."""
 
     def __init__(self, enable_timing=False, blocking=False, interprocess=False, **kwargs):
-        pass
+        self._mark: "tuple[Stream, int] | None" = None
 
     def record(self, stream=None) -> None:
-        pass
+        s = stream or current_stream()
+        self._mark = (s, s._issued)
 
     def wait(self, stream=None) -> None:
-        pass
+        if self._mark is not None:
+            s, upto = self._mark
+            s.flush(upto)
 
     def synchronize(self) -> None:
+        self.wait()
         _check_no_waiting_replay("Event.synchronize")
 
     def query(self) -> bool:
-        return not _WAITING
+        return (self._mark is None or self._mark[0].done(self._mark[1])) and not _WAITING
 
 
 class ExternalEvent:
@@ -124,11 +165,13 @@ class ExternalEvent:
 
     def __init__(self):
         self._recorded = False
+        self._pending: "tuple[Stream, int] | None" = None  # a record queued on a side stream
         self._waiting: list = []  # replays held at this event: (graph, segment to resume at)
 
     def wait(self, stream=None) -> None:
         s = stream or current_stream()
         if s.capturing is None:
+            self._run_pending_record()
             if not self._recorded:
                 raise _deadlock("ExternalEvent.wait on a stream that is not capturing, with no "
                                 "record() before it")
@@ -147,21 +190,34 @@ class ExternalEvent:
         if s.capturing is not None:
             raise RuntimeError("ExternalEvent.record inside a capture is not simulated "
                                "(vllm-ascend records it on the update stream)")
-        if self._recorded:
+        if self._recorded or self._pending is not None:
             raise RuntimeError(
                 "ExternalEvent recorded twice without a reset: an update was issued before the "
                 "graph replay that waits on the previous one consumed it. Replay (or update) once "
                 "per step, in order.")
+        if s is not _STREAMS.default:
+            self._pending = (s, s._issued + 1)
+        s.defer(self._record_now)
+
+    def _record_now(self) -> None:
+        self._pending = None
         self._recorded = True
         waiting, self._waiting = self._waiting, []
         for graph, resume_at in waiting:
             _resume(graph, resume_at)
 
+    def _run_pending_record(self) -> None:
+        if self._pending is not None:
+            s, upto = self._pending
+            s.flush(upto)
+
     def _clear(self) -> None:
         self._recorded = False
 
     def consume_for(self, graph, resume_at: int) -> bool:
-        """At a captured wait during replay: go on if recorded, else hold the replay here."""
+        """At a captured wait during replay: go on once recorded (running the recording stream's
+        work up to the record), else hold the replay here."""
+        self._run_pending_record()
         if self._recorded:
             return True
         self._waiting.append((graph, resume_at))
@@ -180,8 +236,16 @@ class _WaitingReplayGuard(TorchDispatchMode):
     cannot leave the stack from inside its own dispatch)."""
 
     pushed = False
+    dispatching = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if _WAITING:
+            # The side streams' queued records may release the replays.
+            self.dispatching = True
+            try:
+                _flush_all()
+            finally:
+                self.dispatching = False
         if _WAITING:
             raise _give_up_waiting(f"the device op {func}")
         return func(*args, **(kwargs or {}))
@@ -192,7 +256,7 @@ _GUARD = _WaitingReplayGuard()
 
 def _pop_guard() -> None:
     """At a safe point (not inside the guard's own dispatch)."""
-    if _GUARD.pushed:
+    if _GUARD.pushed and not _GUARD.dispatching:
         _GUARD.pushed = False
         _GUARD.__exit__(None, None, None)
 
@@ -217,6 +281,9 @@ def _give_up_waiting(what: str) -> RuntimeError:
 
 
 def _check_no_waiting_replay(what: str) -> None:
+    """A host synchronisation: every stream's queued work runs; a replay still waiting then
+    waits forever."""
+    _flush_all()
     if _WAITING:
         error = _give_up_waiting(what)
         _pop_guard()
@@ -228,8 +295,9 @@ def _hold(graph, resume_at: int) -> None:
     # One replay at a time can wait: a second one would run behind it on the same stream.
     _check_no_waiting_replay("a second graph replay")
     _WAITING[graph] = resume_at
-    _GUARD.pushed = True
-    _GUARD.__enter__()
+    if not _GUARD.pushed:  # (inside the guard's own dispatch it is still pushed)
+        _GUARD.pushed = True
+        _GUARD.__enter__()
 
 
 def _resume(graph, resume_at: int) -> None:
@@ -390,11 +458,13 @@ def open_task_update():
 
 
 def issue_task_update(func, args: tuple, kwargs: dict) -> None:
+    """Checked when issued; applied when the update stream's work runs (see the module doc)."""
     s, handle = open_task_update()
     if s.update_issued:
         raise RuntimeError("a task update re-issues exactly one op")
-    handle._graph.task_update(handle.task_group, func, args, kwargs)
+    apply = handle._graph.task_update(handle.task_group, func, args, kwargs)
     s.update_issued = True
+    s.defer(apply)
 
 
 # -- device facts -----------------------------------------------------------------------------
