@@ -209,6 +209,11 @@ def test_mask_and_sparse_mode():  # F11-F13
         case.run(atten_mask=MASK.float())
     with pytest.raises(AscendOpError, match="not causal"):
         case.run(sparse_mode=0, atten_mask=None)
+    # Mode 3 reads the mask as the causal pattern: other values are refused, not misread.
+    for wrong in (1 - MASK, MASK.t().contiguous(), torch.zeros_like(MASK)):
+        with pytest.raises(AscendOpError, match="attnMask must be the 2048x2048 causal mask"):
+            case.run(atten_mask=wrong)
+    case.run(atten_mask=MASK.bool())  # bool, int8 or uint8 with the same values
 
 
 def test_inputs_must_be_contiguous():  # F14

@@ -13,6 +13,7 @@ the comment says so.
 
 import torch
 from torch.library import Library
+from torch.utils._python_dispatch import _disable_current_modes
 
 _lib = Library("ascend_sim", "DEF")
 
@@ -132,6 +133,7 @@ def check_fia(query, key, value, atten_mask, actual_seq_lengths, actual_seq_leng
             if dim != ATTEN_MASK_SIZE:
                 raise _fia_error(TILING_ERROR, f"When sparseMode is 3, maskDim {dim} shall be "
                                  f"{ATTEN_MASK_SIZE}")
+        _check_causal_mask(atten_mask)
     if pre_tokens != INT32_MAX or next_tokens != INT32_MAX:
         # They only matter for mode 4 (band), which is not simulated; stricter reading.
         raise _fia_error(TILING_ERROR, "pre_tokens/next_tokens other than 2147483647 are not "
@@ -189,6 +191,29 @@ def check_fia(query, key, value, atten_mask, actual_seq_lengths, actual_seq_leng
                              f"query length({q}): the query's tokens are the last of the "
                              "request's KV")
     return q_lens, kv, d
+
+
+_CHECKED_MASKS: dict = {}  # (address, version) of masks found causal
+
+
+def _check_causal_mask(mask: torch.Tensor) -> None:
+    """sparse_mode 3 reads the mask as the compressed causal pattern: the chip does not look at
+    every value but builds the causal band from it, so any other mask is silently wrong there.
+    The simulator checks the values once per mask contents: upper triangle 1 (masked), the rest
+    0 (TORCH_NPU_CONTRACTS.md section 7: upstream passes triu(ones(2048, 2048), diagonal=1))."""
+    # An inference tensor has no version counter: its address stands for its contents.
+    key = (mask.data_ptr(), None if mask.is_inference() else mask._version)
+    if key in _CHECKED_MASKS:
+        return
+    with _disable_current_modes():  # the simulator's own look, not a device op of a capture
+        square = mask.reshape(ATTEN_MASK_SIZE, ATTEN_MASK_SIZE).to(torch.bool)
+        causal = torch.ones(ATTEN_MASK_SIZE, ATTEN_MASK_SIZE, dtype=torch.bool).triu_(1)
+        same = torch.equal(square, causal)
+    if not same:
+        raise _fia_error(PARAM_INVALID, "When sparseMode is 3, attnMask must be the 2048x2048 "
+                         "causal mask: 1 (masked) above the diagonal, 0 on and below it "
+                         "(torch.triu(torch.ones(2048, 2048), diagonal=1))")
+    _CHECKED_MASKS[key] = True
 
 
 def _gather_rows(flat: torch.Tensor, starts: list[int], lens: list[int], width: int):
