@@ -40,7 +40,8 @@ def main(argv: "list[str] | None" = None) -> int:
     conversations = [[{"role": "user", "content": q}] for q in EXPECTED]
     outputs = llm.chat(conversations, params, use_tqdm=False)
     config = llm.llm_engine.vllm_config
-    print(f"\ndevice backend: {device.current.name} ({device.current.device_name()}); "
+    # (Not the device's name: this process runs no worker, and asking would open the device.)
+    print(f"\ndevice backend: {device.current.name}; "
           f"dtype: {str(config.model_config.dtype).removeprefix('torch.')}; graph mode: "
           f"{config.compilation_config.cudagraph_mode.name}; engine start {started:.1f} s")
     wrong = 0

@@ -23,6 +23,7 @@ FIA_MAX_QUERY_PER_REQUEST = 16  # TND decode with speculation (upstream asserts 
 MULTIPROC_METHOD_ENV = "VLLM_WORKER_MULTIPROC_METHOD"
 # The plugin's own settings (README), and the scripts' cache and venv locations.
 PLUGIN_ENV_VARS = {"VLLM_ASCEND_DEVICE", "VLLM_ASCEND_SIM_MEMORY_GB", "VLLM_ASCEND_SIM_STREAMS",
+                   "VLLM_ASCEND_SIM_DEVICES",
                    "VLLM_ASCEND_SIM_CALL_LOG", "VLLM_ASCEND_CACHE", "VLLM_ASCEND_VENV"}
 
 
@@ -54,6 +55,7 @@ class NPUPlatform(Platform):
 
     @classmethod
     def get_device_name(cls, device_id: int = 0) -> str:
+        cls._check_device_open("get_device_name")
         return device.current.device_name()
 
     @classmethod
@@ -62,7 +64,18 @@ class NPUPlatform(Platform):
 
     @classmethod
     def get_device_total_memory(cls, device_id: int = 0) -> int:
+        cls._check_device_open("get_device_total_memory")
         return device.current.total_memory()
+
+    @staticmethod
+    def _check_device_open(what: str) -> None:
+        # vLLM asks these while it builds the engine's config, in the API server or LLM process,
+        # and falls back to defaults when they raise (arg_utils.get_batch_defaults). Answering
+        # would open a device context there, on device 0, which a worker owns (upstream
+        # vllm-ascend does not implement get_device_total_memory for the same reason).
+        if not device.current.device_open():
+            raise RuntimeError(f"{what}: no device is open in this process (only workers open "
+                               "one)")
 
     @classmethod
     def get_current_memory_usage(cls, dev=None) -> float:
@@ -374,5 +387,6 @@ class NPUPlatform(Platform):
 
     @classmethod
     def log_warnings(cls) -> None:
-        logger.info("vllm-ascend: device backend %s (%s): %s", device.current.name,
-                    device.current.device_name(), device.current.reason)
+        # Not the device's name: asking opens a device context, which only workers do.
+        logger.info("vllm-ascend: device backend %s: %s", device.current.name,
+                    device.current.reason)

@@ -326,11 +326,16 @@ def vllm_server(model: str, name: str, *args: str, start_s: int = 300):
         log.close()
 
 
-def served_graph_counts(base: str) -> list[dict]:
-    """Each worker's graph counts (NPUWorker.graph_counts) from a dev-mode server."""
-    r = requests.post(f"{base}/collective_rpc", json={"method": "graph_counts"}, timeout=60)
+def served_rpc(base: str, method: str) -> list:
+    """What each worker of a dev-mode server's first DP engine answers to ``method``."""
+    r = requests.post(f"{base}/collective_rpc", json={"method": method}, timeout=60)
     assert r.status_code == 200, r.text
     return r.json()["results"]
+
+
+def served_graph_counts(base: str) -> list[dict]:
+    """Each worker's graph counts (NPUWorker.graph_counts) from a dev-mode server."""
+    return served_rpc(base, "graph_counts")
 
 
 def served_completion(base: str, name: str, prompt: str, max_tokens: int, headers=None):

@@ -14,7 +14,8 @@ import pytest
 import requests
 
 from tests.e2e.conftest import (TOPK, check_logprobs_close, hf_greedy, model_path,
-                                served_completion, served_graph_counts, token_id, vllm_server)
+                                served_completion, served_graph_counts, served_rpc, token_id,
+                                vllm_server)
 
 NAME = "tiny-llama"
 LAYERS = 2  # the tiny models'
@@ -59,6 +60,19 @@ def finished_per_engine(base) -> dict[str, float]:
 def test_server_runs_on_the_ascend_plugin(server):
     _, log = server
     assert "vllm-ascend: device backend sim" in log
+
+
+def test_four_workers_hold_four_devices_and_no_other_process_opens_one(server):
+    """DP=2 x TP=2 on one node: DP engine d's rank r on device 2d + r, each its own. The API
+    server and the two engine cores open none (the simulator refuses device use before
+    set_device, so a parent that asked would have failed the start)."""
+    from vllm_ascend.device.sim import npu
+
+    base, _ = server
+    held = npu.devices_in_use()  # the node's devices -> the live process that opened each
+    assert sorted(held) == [0, 1, 2, 3] and len(set(held.values())) == 4, held
+    engine_0 = served_rpc(base, "device_binding")
+    assert {b["device"]: b["pid"] for b in engine_0} == {0: held[0], 1: held[1]}, engine_0
 
 
 def test_start_up_log_says_graph_mode_kept_sizes_graphs_streams_and_memory(server):

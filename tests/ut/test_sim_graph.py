@@ -390,6 +390,7 @@ def _collective_rank(rank, port, results):
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
+    npu.set_device(rank)  # a worker per device
     x = torch.full((4,), float(rank + 1))
     streams_before = npu.streams_in_use()
 
@@ -414,6 +415,7 @@ def _collective_rank(rank, port, results):
 
 
 def test_a_captured_all_reduce_is_replayed_and_its_group_costs_a_stream():
+    npu.release_device()  # the ranks' processes take devices 0 and 1
     import socket
 
     import torch.multiprocessing as mp

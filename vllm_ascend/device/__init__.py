@@ -36,7 +36,15 @@ class Backend:
         self.reason = reason  # why this backend was chosen, for the start-up log line
 
     def device_name(self) -> str:
-        return self.torch_npu.npu.get_device_name(0)
+        return self.torch_npu.npu.get_device_name(self.torch_npu.npu.current_device())
+
+    def device_open(self) -> bool:
+        """Whether this process opened its device (a worker after set_device). Asking a device
+        anything before that opens a context on device 0 (torch_npu's lazy init)."""
+        return self.torch_npu.npu.is_initialized()
+
+    def release_device(self) -> None:
+        """The worker on this process's device shut down (a context stays until exit)."""
 
     def torch_device(self, index: int = 0) -> torch.device:
         return torch.device(self.torch_device_type, index)
@@ -103,6 +111,9 @@ class SimBackend(Backend):
 
     def total_memory(self) -> int:
         return self.torch_npu.npu.total_memory()
+
+    def release_device(self) -> None:
+        self.torch_npu.npu.release_device()  # another process may now open it
 
     def peak_memory_of(self, fn) -> int:
         # The host is the device: the growth of this process's resident memory.

@@ -6,11 +6,13 @@ import os
 import torch
 from vllm_ascend.logger import get_logger
 from vllm.platforms import current_platform
+from vllm.platforms.interface import set_assigned_physical_gpu_ids
 from vllm.utils.torch_utils import OMP_NUM_THREADS_SET_BY_VLLM, set_random_seed
 from vllm.v1.worker.gpu_worker import Worker, init_worker_distributed_environment
 from vllm.v1.worker.worker_base import CompilationTimes
 
 from vllm_ascend import device
+from vllm_ascend.device import torch_npu
 from vllm_ascend.worker.model_runner import NPUModelRunner
 
 logger = get_logger(__name__)
@@ -24,16 +26,31 @@ def _model_bytes(model: torch.nn.Module) -> int:
 
 class NPUWorker(Worker):
     def init_device(self):
-        # Upstream raises for any device type but cuda.
+        # Upstream raises for any device type but cuda; the device binding is its cuda branch's.
         backend = device.current
         backend.prepare_process()
-        self.device = backend.torch_device(self.local_rank)
-        current_platform.set_device(self.device)
+        index = self._visible_device_index()
+        self.device = backend.torch_device(index)
+        torch_npu.npu.set_device(index)
         init_worker_distributed_environment(self.vllm_config, self.rank,
                                             self.distributed_init_method, self.local_rank,
                                             current_platform.dist_backend)
         set_random_seed(self.model_config.seed)
         self._init_workspace_and_model_runner()
+
+    def _visible_device_index(self) -> int:
+        """This worker's device, as vLLM binds it on a platform without CUDA's
+        set_device_index: each data-parallel engine is assigned its shard of the node's devices
+        (``assigned_physical_gpu_ids``: DP engine d of a TP x PP world w gets d*w .. d*w+w-1),
+        and local rank r takes the r-th of them, through the visible list."""
+        assigned = self.parallel_config.assigned_physical_gpu_ids
+        if assigned is not None:
+            set_assigned_physical_gpu_ids(assigned)
+        return current_platform.logical_device_id_to_visible_device_id(self.local_rank)
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        device.current.release_device()
 
     def _make_model_runner(self) -> NPUModelRunner:
         return NPUModelRunner(self.vllm_config, self.device)
@@ -97,6 +114,12 @@ class NPUWorker(Worker):
         its dev mode (VLLM_SERVER_DEV_MODE=1) as POST /collective_rpc."""
         return {**self.model_runner.graph_state.counts(),
                 "streams_in_use": device.current.streams_in_use()}
+
+    def device_binding(self) -> dict:
+        """The device this worker opened (physical id on its node) and its process, for
+        ``collective_rpc("device_binding")``."""
+        return {"device": current_platform.device_id_to_physical_device_id(self.local_rank),
+                "pid": os.getpid()}
 
     def compile_or_warm_up_model(self) -> CompilationTimes:
         # Upstream's version warms CUDA kernels (FlashInfer, DeepGEMM) and probes CUDA memory.

@@ -330,6 +330,7 @@ class NPUGraph:
         self._stream: Stream | None = None
 
     def capture_begin(self, pool=None, capture_error_mode="global") -> None:
+        _opened("NPUGraph.capture_begin")
         _check_no_waiting_replay("NPUGraph.capture_begin")
         s = current_stream()
         if s is _STREAMS.default:
@@ -467,17 +468,166 @@ def issue_task_update(func, args: tuple, kwargs: dict) -> None:
     s.defer(apply)
 
 
-# -- device facts -----------------------------------------------------------------------------
+# -- devices and their contexts -------------------------------------------------------------------
+#
+# A node has $VLLM_ASCEND_SIM_DEVICES devices (default 8, as a 910 server), of which a process sees
+# those $ASCEND_RT_VISIBLE_DEVICES lists, in that order (the CANN runtime's rule). A process opens
+# one device context, with set_device, before anything else touches the device: torch_npu would
+# otherwise open one on device 0 implicitly, holding memory on a device that belongs to another
+# worker. The simulator makes that an error, and one context per process, and one live process
+# per device on the node (a second worker on a device would share its memory and HBM budget and
+# break HCCL's one-rank-per-device rule): each open device is claimed in a file of the node's
+# registry, released at the worker's shutdown or when its process is gone.
+
+DEVICES_ENV = "VLLM_ASCEND_SIM_DEVICES"
+VISIBLE_ENV = "ASCEND_RT_VISIBLE_DEVICES"
+DEFAULT_DEVICES = 8
+
+
+class DeviceContextError(RuntimeError):
+    pass
+
+
+_context: "int | None" = None  # the physical device this process opened
+
+
+def _node_devices() -> int:
+    value = os.environ.get(DEVICES_ENV, str(DEFAULT_DEVICES))
+    if not value.isdigit() or int(value) <= 0:
+        raise ValueError(f"{DEVICES_ENV}={value!r} must be a positive integer")
+    return int(value)
+
+
+def _visible() -> list[int]:
+    """The physical devices this process may open, by visible ordinal."""
+    count = _node_devices()
+    value = os.environ.get(VISIBLE_ENV, "").strip()
+    if not value:
+        return list(range(count))
+    ids = []
+    for item in value.split(","):
+        item = item.strip()
+        if not item.isdigit() or int(item) >= count:
+            raise DeviceContextError(
+                f"{VISIBLE_ENV}={value!r}: {item!r} is not a device of this node (devices 0 to "
+                f"{count - 1}; {DEVICES_ENV}={count})")
+        ids.append(int(item))
+    return ids
+
+
+def device_count() -> int:
+    return len(_visible())
+
+
+def _registry() -> str:
+    import tempfile
+
+    path = os.path.join(tempfile.gettempdir(), f"vllm-ascend-sim-{os.getuid()}")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def devices_in_use() -> dict[int, int]:
+    """Physical device -> pid of the live process that holds it, on this node."""
+    held = {}
+    for name in os.listdir(_registry()):
+        if name.startswith("device-"):
+            try:
+                with open(os.path.join(_registry(), name)) as f:
+                    pid = int(f.read().strip() or 0)
+            except (OSError, ValueError):
+                continue
+            if pid and _alive(pid):
+                held[int(name.removeprefix("device-"))] = pid
+    return held
+
+
+def _claim(physical: int) -> None:
+    path = os.path.join(_registry(), f"device-{physical}")
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            holder = devices_in_use().get(physical)
+            if holder == os.getpid():
+                return
+            if holder is not None:
+                raise DeviceContextError(
+                    f"device {physical} is already in use by process {holder}: two workers on "
+                    "one device share its memory, and HCCL takes one rank per device. Give each "
+                    f"worker its own device ({VISIBLE_ENV}, or fewer ranks per node).")
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)  # its process is gone
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(str(os.getpid()))
+        return
+
 
 def set_device(device) -> None:
+    """Open this process's device context on visible ordinal ``device`` (an int, or a
+    torch.device; the simulator's CPU device without an index means the process's own device)."""
+    global _context
     # A safe point: a guard that a failed wait left on the mode stack (the replay gave up inside
     # the guard's own dispatch, where it cannot pop itself) would keep Dynamo from compiling the
     # next engine's model in this process.
     if not _WAITING:
         _pop_guard()
+    index = device if isinstance(device, int) else torch.device(device).index
+    visible = _visible()
+    if index is None:
+        index = visible.index(_context) if _context in visible else 0
+    if not 0 <= index < len(visible):
+        raise DeviceContextError(f"set_device({index}): invalid device ordinal, this process "
+                                 f"sees {len(visible)} device(s) ({VISIBLE_ENV}, "
+                                 f"{DEVICES_ENV})")
+    physical = visible[index]
+    if _context is not None and _context != physical:
+        raise DeviceContextError(
+            f"set_device({index}) opens device {physical}, but this process already opened "
+            f"device {_context}: one device context per process (one worker per device).")
+    _claim(physical)
+    _context = physical
+
+
+def release_device() -> None:
+    """The worker using this process's device shut down: another process may open it."""
+    if _context is not None and devices_in_use().get(_context) == os.getpid():
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(_registry(), f"device-{_context}"))
+
+
+def is_initialized() -> bool:
+    return _context is not None
+
+
+def current_device() -> int:
+    return _visible().index(_opened("current_device"))
+
+
+def _opened(what: str) -> int:
+    """The device this process opened; touching the device before that is an error."""
+    if _context is None:
+        raise DeviceContextError(
+            f"torch.npu.{what}() in a process that has not called torch.npu.set_device: on the "
+            "chip this opens a context on device 0, holding its memory, from a process that "
+            "does not own it (an API server, an engine core whose workers are other "
+            "processes). Ask the device only in the worker, after set_device.")
+    return _context
 
 
 def get_device_name(device=None) -> str:
+    _opened("get_device_name")
     return "Ascend simulator (CPU)"
 
 
@@ -485,6 +635,7 @@ def total_memory() -> int:
     """The simulated device memory: $VLLM_ASCEND_SIM_MEMORY_GB, default a quarter of RAM."""
     import psutil
 
+    _opened("mem_get_info")
     value = os.environ.get(MEMORY_ENV)
     if value:
         try:
@@ -500,7 +651,10 @@ def total_memory() -> int:
 def memory_allocated(device=None) -> int:
     import psutil
 
-    return psutil.Process().memory_info().rss  # the host is the device
+    _opened("memory_allocated")
+    # The host is the device: everything the process holds, torch's tensors or not
+    # (communication buffers, graph pools, workspaces), counts against the device.
+    return psutil.Process().memory_info().rss
 
 
 def mem_get_info(device=None) -> tuple[int, int]:
