@@ -225,12 +225,17 @@ class Attention:
 
     def update(self, kv_len, record=True):
         with npu.stream(self.stream):
-            npu.graph_task_update_begin(self.stream, self.handle)
-            torch_npu.npu_fused_infer_attention_score.out(**self.args(kv_len), workspace=self.ws,
-                                                          out=[self.out, self.lse])
-            npu.graph_task_update_end(self.stream)
-            if record:
-                self.event.record(self.stream)
+            self.issue_update(kv_len, record)
+
+    def issue_update(self, kv_len, record=True):
+        """The update, issued on the update stream (current); it runs when something orders it,
+        at the latest when the host leaves the stream's context."""
+        npu.graph_task_update_begin(self.stream, self.handle)
+        torch_npu.npu_fused_infer_attention_score.out(**self.args(kv_len), workspace=self.ws,
+                                                      out=[self.out, self.lse])
+        npu.graph_task_update_end(self.stream)
+        if record:
+            self.event.record(self.stream)
 
 
 def test_host_lists_are_frozen_at_capture_and_a_replay_reads_stale_values():
@@ -275,13 +280,42 @@ def test_a_replay_that_does_not_wait_for_its_update_reads_stale_lengths():
 def test_side_stream_work_runs_when_an_event_orders_it():
     a = Attention()
     a.capture(3)
-    a.update(9)  # queued on the update stream, with its record
-    done = npu.Event()
-    done.record(a.stream)
-    assert not done.query() and not a.event._recorded
-    done.wait(npu.current_stream())  # the current stream's next work comes after it
-    assert done.query() and a.event._recorded
+    with npu.stream(a.stream):
+        a.issue_update(9)  # queued on the update stream, with its record
+        done = npu.Event()
+        done.record(a.stream)
+        assert not done.query() and not a.event._recorded
+        done.wait(npu.default_stream())  # the default stream's next work comes after it
+        assert done.query() and a.event._recorded
     a.graph.replay()
+    torch.testing.assert_close(a.out, a.eager(9))
+
+
+def test_a_sync_in_another_host_thread_leaves_this_threads_replay_to_it():
+    """vLLM's async output thread synchronises its copy event while the model thread's FULL
+    replay waits for its update: the device's work must not run in two host threads at once."""
+    import threading
+
+    a = Attention()
+    a.capture(3)
+    a.graph.replay()  # held at the event wait
+    errors = []
+
+    def output_thread():
+        try:
+            npu.Event().synchronize()
+            npu.synchronize()
+        except Exception as e:  # pragma: no cover - the failure this test is about
+            errors.append(e)
+
+    with npu.stream(a.stream):
+        a.issue_update(9)  # queued on this thread's update stream
+        t = threading.Thread(target=output_thread)
+        t.start()
+        t.join()
+        assert not errors and not a.event._recorded and npu._mine() == [a.graph.sim_graph]
+    # Leaving the update stream's context ran the update and released the replay.
+    assert a.event._recorded is False and not npu._mine()
     torch.testing.assert_close(a.out, a.eager(9))
 
 

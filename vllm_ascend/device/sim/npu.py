@@ -3,10 +3,12 @@
 The host is the device: torch ops run at once, in program order, as on the default stream.
 The work the simulator issues itself on a side stream (task updates, event records) is queued on
 that stream and runs only when something orders it: an event wait or synchronisation, a
-``wait_stream``, a host synchronisation, or a replayed graph node that waits on an ExternalEvent
-the stream records. The chip runs a side stream concurrently, so its work may land at any point
-up to that order; the simulator takes the latest, so a replay that does not wait for its update
-runs with the stale host lists (as it can on a chip) instead of the fresh ones.
+``wait_stream``, a host synchronisation, a replayed graph node that waits on an ExternalEvent
+the stream records, or, at the latest, the host thread leaving the stream's context. The chip
+runs a side stream concurrently, so its work may land at any point up to that order; the
+simulator takes the latest, so a replay that does not wait for its update runs with the stale
+host lists (as it can on a chip) instead of the fresh ones. Only the host thread that issued the
+work runs it: the device's work never runs in two host threads at once.
 
 What the chip's contracts make observable is kept: a graph captures only on a capturing
 (non-default) stream; task groups open only there and task updates only on a non-capturing one;
@@ -57,18 +59,25 @@ class Stream:
         self.update_issued = False
         self._queue: list = []  # deferred work: (sequence number, fn)
         self._issued = 0  # sequence number of the last work issued here
+        self._owner: "int | None" = None  # the host thread that issued it
 
     def defer(self, fn) -> None:
         """Issue ``fn`` as work of this stream: at once on the default stream, else queued."""
         if self is _STREAMS.default:
             fn()
             return
+        self._owner = threading.get_ident()
         self._issued += 1
         self._queue.append((self._issued, fn))
         _PENDING[self] = None
 
     def flush(self, upto: "int | None" = None) -> None:
-        """Run the queued work, up to sequence number ``upto`` (all of it when None)."""
+        """Run the queued work, up to sequence number ``upto`` (all of it when None). Only the
+        thread that issued it runs it: the host is the device, and the device's work must not
+        run in two host threads at once (another thread's sync finds it done in due course,
+        as a chip's would)."""
+        if self._owner != threading.get_ident():
+            return
         while self._queue and (upto is None or self._queue[0][0] <= upto):
             _, fn = self._queue.pop(0)
             fn()
@@ -100,9 +109,13 @@ _PENDING: dict = {}  # streams with queued work, in the order they got it
 
 def _flush_all() -> None:
     """A host synchronisation: every stream's queued work runs (side streams progress on their
-    own on the chip, so a host that blocks sees all of it done)."""
-    while _PENDING:
-        next(iter(_PENDING)).flush()
+    own on the chip, so a host that blocks sees all of it done); the work this thread issued."""
+    me = threading.get_ident()
+    while True:
+        mine = next((s for s in list(_PENDING) if s._owner == me), None)
+        if mine is None:
+            return
+        mine.flush()
 
 
 def current_stream(device=None) -> Stream:
@@ -123,6 +136,11 @@ def stream(s: "Stream | None"):
         yield
     finally:
         _STREAMS.stack.pop()
+        if s not in _STREAMS.stack:
+            # The latest point the simulator lets the stream's queued work wait for: it cannot
+            # see every host read of device memory (a gloo send, .numpy()), so the work does
+            # not outlive the context it was issued in.
+            s.flush()
 
 
 def synchronize(device=None) -> None:
@@ -156,7 +174,7 @@ class Event:
         _check_no_waiting_replay("Event.synchronize")
 
     def query(self) -> bool:
-        return (self._mark is None or self._mark[0].done(self._mark[1])) and not _WAITING
+        return (self._mark is None or self._mark[0].done(self._mark[1])) and not _mine()
 
 
 class ExternalEvent:
@@ -226,39 +244,48 @@ class ExternalEvent:
 
 # -- replays waiting on an event -------------------------------------------------------------------
 
-_WAITING: dict = {}  # graph -> the segment it resumes at
+_WAITING: dict = {}  # graph -> (the segment it resumes at, the host thread that replayed it)
+
+
+def _mine() -> list:
+    """The replays this host thread launched that wait on an event."""
+    me = threading.get_ident()
+    return [g for g, (_, thread) in list(_WAITING.items()) if thread == me]
 
 
 class _WaitingReplayGuard(TorchDispatchMode):
-    """On the mode stack while a replay waits: any device op issued now would queue behind the
-    graph on the chip and hang with it; here it fails loudly instead of reading the graph's stale
-    outputs. Once nothing waits it passes ops through until the next safe point pops it (a mode
-    cannot leave the stack from inside its own dispatch)."""
-
-    pushed = False
-    dispatching = False
+    """On this thread's mode stack while a replay it launched waits: any device op issued now
+    would queue behind the graph on the chip and hang with it; here it fails loudly instead of
+    reading the graph's stale outputs. Once nothing waits it passes ops through until the next
+    safe point pops it (a mode cannot leave the stack from inside its own dispatch)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if _WAITING:
+        if _mine():
             # The side streams' queued records may release the replays.
-            self.dispatching = True
+            _LOCAL.dispatching = True
             try:
                 _flush_all()
             finally:
-                self.dispatching = False
-        if _WAITING:
+                _LOCAL.dispatching = False
+        if _mine():
             raise _give_up_waiting(f"the device op {func}")
         return func(*args, **(kwargs or {}))
 
 
-_GUARD = _WaitingReplayGuard()
+class _Local(threading.local):
+    def __init__(self):
+        self.guard: "_WaitingReplayGuard | None" = None  # pushed on this thread's mode stack
+        self.dispatching = False  # inside the guard's own dispatch
+
+
+_LOCAL = _Local()
 
 
 def _pop_guard() -> None:
     """At a safe point (not inside the guard's own dispatch)."""
-    if _GUARD.pushed and not _GUARD.dispatching:
-        _GUARD.pushed = False
-        _GUARD.__exit__(None, None, None)
+    if _LOCAL.guard is not None and not _LOCAL.dispatching:
+        guard, _LOCAL.guard = _LOCAL.guard, None
+        guard.__exit__(None, None, None)
 
 
 def _deadlock(what: str) -> RuntimeError:
@@ -270,10 +297,10 @@ def _deadlock(what: str) -> RuntimeError:
 
 
 def _give_up_waiting(what: str) -> RuntimeError:
-    """Drop the waiting replays (their work is lost, as on a chip that timed out)."""
-    waiting = list(_WAITING)
-    _WAITING.clear()
+    """Drop this thread's waiting replays (their work is lost, as on a chip that timed out)."""
+    waiting = _mine()
     for graph_ in waiting:
+        _WAITING.pop(graph_, None)
         for _, event in graph_.segments:
             if event is not None:
                 event._waiting = [w for w in event._waiting if w[0] is not graph_]
@@ -282,9 +309,9 @@ def _give_up_waiting(what: str) -> RuntimeError:
 
 def _check_no_waiting_replay(what: str) -> None:
     """A host synchronisation: every stream's queued work runs; a replay still waiting then
-    waits forever."""
+    waits forever. (A sync in another host thread leaves this thread's replays to it.)"""
     _flush_all()
-    if _WAITING:
+    if _mine():
         error = _give_up_waiting(what)
         _pop_guard()
         raise error
@@ -294,10 +321,10 @@ def _check_no_waiting_replay(what: str) -> None:
 def _hold(graph, resume_at: int) -> None:
     # One replay at a time can wait: a second one would run behind it on the same stream.
     _check_no_waiting_replay("a second graph replay")
-    _WAITING[graph] = resume_at
-    if not _GUARD.pushed:  # (inside the guard's own dispatch it is still pushed)
-        _GUARD.pushed = True
-        _GUARD.__enter__()
+    _WAITING[graph] = (resume_at, threading.get_ident())
+    if _LOCAL.guard is None:  # (inside the guard's own dispatch it is still pushed)
+        _LOCAL.guard = _WaitingReplayGuard()
+        _LOCAL.guard.__enter__()
 
 
 def _resume(graph, resume_at: int) -> None:
@@ -459,10 +486,13 @@ def open_task_update():
 
 
 def issue_task_update(func, args: tuple, kwargs: dict) -> None:
-    """Checked when issued; applied when the update stream's work runs (see the module doc)."""
+    """Checked when issued; applied when the update stream's work runs (see the module doc).
+    Host arguments are copied at issue, as a launch copies them: later changes to a list the
+    caller passed do not reach the device."""
     s, handle = open_task_update()
     if s.update_issued:
         raise RuntimeError("a task update re-issues exactly one op")
+    kwargs = {k: list(v) if isinstance(v, (list, tuple)) else v for k, v in kwargs.items()}
     apply = handle._graph.task_update(handle.task_group, func, args, kwargs)
     s.update_issued = True
     s.defer(apply)
@@ -581,7 +611,7 @@ def set_device(device) -> None:
     # A safe point: a guard that a failed wait left on the mode stack (the replay gave up inside
     # the guard's own dispatch, where it cannot pop itself) would keep Dynamo from compiling the
     # next engine's model in this process.
-    if not _WAITING:
+    if not _mine():
         _pop_guard()
     index = device if isinstance(device, int) else torch.device(device).index
     visible = _visible()
