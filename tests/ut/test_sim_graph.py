@@ -97,6 +97,22 @@ def test_a_device_to_host_copy_during_capture_raises(copy):
     assert y.tolist() == [2.0, 2.0, 2.0]
 
 
+def test_the_ledger_counts_launches_outside_replays_syncs_and_staged_copies():
+    from vllm_ascend.device.sim.ledger import H2D, LAUNCHES, REPLAYS, SYNCS, Ledger
+
+    w, x = torch.randn(16, 16), torch.randn(4, 16)
+    g, out = capture(mlp, x, w, [])
+    staged = torch.empty(4, 16)
+    with Ledger() as ledger:
+        y = (x * 2)[1:]  # a launch; the view is none
+        staged.copy_(x, non_blocking=True)  # a staged host-to-device copy
+        g.replay()
+        g.replay()  # a launch each, whatever the graph holds
+        y.sum().item()  # a launch and a host read
+        npu.synchronize()
+    assert dict(ledger.counts) == {LAUNCHES: 2, REPLAYS: 2, SYNCS: 2, H2D: 1}
+
+
 def test_a_weak_reference_reads_poison_once_its_owner_is_released():
     owner = torch.arange(6, dtype=torch.float32)
     weak = torch_npu._C._weak_ref_tensor(owner)

@@ -30,6 +30,8 @@ from torch._C import DispatchKey
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 
+from vllm_ascend.device.sim import ledger as _ledger
+
 STREAM_EXHAUSTED_CODE = 207008
 _RECORDED_NAMESPACES = {"aten", "prims", "ascend_sim"}
 _UNCAPTURABLE_NAMESPACES = {"_c10d_functional", "_c10d_functional_autograd", "c10d_functional"}
@@ -37,9 +39,6 @@ _UNCAPTURABLE_NAMESPACES = {"_c10d_functional", "_c10d_functional_autograd", "c1
 _NO_REPLAY = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
               torch.ops.aten.empty_like.default, torch.ops.aten.new_empty.default}
 _ALIGN = 64
-# Ops that read a device value on the host: a capture cannot contain them.
-_HOST_SYNCS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default,
-               torch.ops.aten.is_nonzero.default, torch.ops.aten.equal.default}
 # Ops whose result is a copy of their first argument.
 _COPIES = {torch.ops.aten.contiguous.default, torch.ops.aten.clone.default}
 
@@ -124,7 +123,7 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _HOST_SYNCS:
+        if func in _ledger.HOST_SYNCS:  # a capture cannot contain them
             raise GraphCaptureError(
                 "a host synchronisation (.item() / bool(tensor)) happened during graph capture; "
                 "on the chip this fails the capture. Move the host read out of the captured "
@@ -537,7 +536,7 @@ class SimGraph:
         """Run the segments from ``start``; returns the segment index it is blocked at (its
         event not recorded), or None when the replay finished."""
         ctx = torch.inference_mode() if self._inference else contextlib.nullcontext()
-        with ctx:
+        with ctx, _ledger.replaying():
             for s in range(start, len(self.segments)):
                 calls, wait = self.segments[s]
                 for fn, args, kwargs, _ in calls:

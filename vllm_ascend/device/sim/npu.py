@@ -25,6 +25,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from vllm_ascend.device.sim import graph as _graph
+from vllm_ascend.device.sim import ledger as _ledger
 
 STREAMS_ENV = "VLLM_ASCEND_SIM_STREAMS"
 DEFAULT_STREAMS = 2048  # a 910-class chip's stream budget for the whole software stack
@@ -88,6 +89,7 @@ class Stream:
         return not self._queue or self._queue[0][0] > upto
 
     def synchronize(self) -> None:
+        _ledger.note(_ledger.SYNCS)
         _check_no_waiting_replay("synchronize")
 
     def wait_stream(self, stream) -> None:
@@ -144,6 +146,7 @@ def stream(s: "Stream | None"):
 
 
 def synchronize(device=None) -> None:
+    _ledger.note(_ledger.SYNCS)
     _check_no_waiting_replay("synchronize")
 
 
@@ -170,6 +173,7 @@ class Event:
             s.flush(upto)
 
     def synchronize(self) -> None:
+        _ledger.note(_ledger.SYNCS)
         self.wait()
         _check_no_waiting_replay("Event.synchronize")
 
@@ -385,6 +389,7 @@ class NPUGraph:
         if not self._graph.segments:
             raise RuntimeError("replay() of an NPUGraph that holds no capture")
         _check_no_waiting_replay("NPUGraph.replay")
+        _ledger.note(_ledger.REPLAYS)
         blocked_at = self._graph.run(0)
         if blocked_at is not None:
             _hold(self._graph, blocked_at)
@@ -495,6 +500,7 @@ def issue_task_update(func, args: tuple, kwargs: dict) -> None:
     kwargs = {k: list(v) if isinstance(v, (list, tuple)) else v for k, v in kwargs.items()}
     apply = handle._graph.task_update(handle.task_group, func, args, kwargs)
     s.update_issued = True
+    _ledger.note(_ledger.UPDATES)
     s.defer(apply)
 
 

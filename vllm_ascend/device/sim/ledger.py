@@ -1,0 +1,95 @@
+"""The chip-cost ledger: what a stretch of work would cost a chip in launches and host waits.
+
+While a ``Ledger`` is entered (``with Ledger() as ledger:``), the simulator counts:
+
+* ``kernel launches``: device ops launched one at a time, i.e. dispatched outside a graph replay.
+  Views and allocations launch nothing. A collective counts as one launch. An op implemented in
+  Python (vLLM's attention custom op) is not itself counted; the device ops it issues are.
+* ``graph replays``: ``NPUGraph.replay()`` calls, one launch each however many nodes they hold.
+* ``task updates``: FIA re-issues through ``graph_task_update_begin/end``.
+* ``blocking syncs``: the host waiting for the device: ``synchronize()`` of the device, a stream
+  or an event, and a host read of a device value (``.item()``, ``bool(tensor)``).
+* ``host-to-device copies``: ``copy_(..., non_blocking=True)``, the staged copy vLLM and the
+  plugin make from host buffers to device buffers (on the simulator both are CPU tensors, so
+  the non-blocking flag is what names the direction).
+
+The simulator's introspection, not torch_npu API: for benchmarks/step_profile.py and tests.
+"""
+
+import collections
+import threading
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+LAUNCHES, REPLAYS, UPDATES, SYNCS, H2D = ("kernel launches", "graph replays", "task updates",
+                                          "blocking syncs", "host-to-device copies")
+ROWS = (LAUNCHES, REPLAYS, UPDATES, SYNCS, H2D)
+_COUNTED_NAMESPACES = {"aten", "prims", "ascend_sim", "c10d"}
+# Ops that read a device value on the host (graph.py refuses them during capture).
+HOST_SYNCS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default,
+              torch.ops.aten.is_nonzero.default, torch.ops.aten.equal.default}
+_ALLOCATIONS = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
+                torch.ops.aten.empty_like.default, torch.ops.aten.new_empty.default}
+
+_active: "Ledger | None" = None
+_replaying = threading.local()
+
+
+def note(row: str) -> None:
+    """Count one ``row`` event if a ledger is open."""
+    if _active is not None:
+        _active.counts[row] += 1
+
+
+class replaying:
+    """Around a graph replay's execution: its nodes are not launches of their own."""
+
+    def __enter__(self):
+        _replaying.depth = getattr(_replaying, "depth", 0) + 1
+
+    def __exit__(self, *exc):
+        _replaying.depth -= 1
+
+
+class Ledger:
+    """``with Ledger() as ledger:`` ... ``ledger.counts``: the rows above, counted meanwhile."""
+
+    def __init__(self):
+        self.counts: collections.Counter = collections.Counter()
+        self._mode = _Counting(self.counts)
+
+    def __enter__(self) -> "Ledger":
+        global _active
+        if _active is not None:
+            raise RuntimeError("a chip-cost ledger is already open")
+        _active = self
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        global _active
+        _active = None
+        self._mode.__exit__(*exc)
+
+
+class _Counting(TorchDispatchMode):
+    def __init__(self, counts: collections.Counter):
+        super().__init__()
+        self.counts = counts
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace not in _COUNTED_NAMESPACES:
+            # Implemented in Python: count the device ops it issues, not the call.
+            with self:
+                return func._op_dk(torch._C.DispatchKey.CPU, *args, **kwargs)
+        if getattr(_replaying, "depth", 0) == 0:
+            if func in HOST_SYNCS:
+                self.counts[SYNCS] += 1
+            elif func is torch.ops.aten.copy_.default and kwargs.get(
+                    "non_blocking", args[2] if len(args) > 2 else False):
+                self.counts[H2D] += 1
+            elif not (func.is_view or func in _ALLOCATIONS):
+                self.counts[LAUNCHES] += 1
+        return func(*args, **kwargs)
