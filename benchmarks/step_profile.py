@@ -12,6 +12,10 @@ kernels) and FIA task updates, the LM head, sampling, output processing, and the
 engine loop. Then as users run it (engine core in its own process): the extra time per step is
 the frontend-engine IPC and the CPU contention between the two processes.
 
+A second table is the chip-cost ledger of a decode step in each mode, counted by the simulator
+in-process (vllm_ascend/device/sim/ledger.py): kernel launches (device ops launched one by one),
+graph replays, FIA task updates, blocking device-to-host syncs and host-to-device copies.
+
 Decode only: each phase's time over `1 + N` generated tokens minus its time over 1 token (the
 prefill), divided by N.
 """
@@ -28,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("VLLM_ASCEND_SIM_MEMORY_GB", "2")
 
 from benchmarks.decode_throughput import engine_args, prompts_for  # noqa: E402
+from tests.e2e.conftest import chip_cost_per_decode_step  # noqa: E402
 
 TIMES: collections.Counter = collections.Counter()
 
@@ -35,6 +40,8 @@ TIMES: collections.Counter = collections.Counter()
 PHASES = [
     ("step (frontend + engine)", "vllm.v1.engine.llm_engine.LLMEngine", "step"),
     ("engine core step", "vllm.v1.engine.core.EngineCore", "step"),
+    # (with async scheduling, vLLM's default, the engine steps through its batch queue)
+    ("engine core step", "vllm.v1.engine.core.EngineCore", "step_with_batch_queue"),
     ("scheduler", "vllm.v1.core.sched.scheduler.Scheduler", "schedule"),
     ("scheduler", "vllm.v1.core.sched.scheduler.Scheduler", "update_from_output"),
     ("input preparation", "vllm.v1.worker.gpu_model_runner.GPUModelRunner", "_update_states"),
@@ -121,7 +128,7 @@ def main():
 
     path = str(smollm2_dir()) if args.model == "smollm2" else tiny_model_dir("llama")
     install_timers()
-    split = {}
+    split, ledgers = {}, {}
     for mode in args.modes:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
         llm = start(path, mode, args.batch)
@@ -132,6 +139,7 @@ def main():
         model = llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
         model.compute_logits = timed("LM head", model.compute_logits)
         t = decode_split(llm, args.batch, args.tokens)
+        ledgers[mode] = chip_cost_per_decode_step(llm, args.batch, args.tokens)
         stop(llm)
         t["multiprocess"] = multiprocess
         split[mode] = t
@@ -156,6 +164,15 @@ def main():
     row("IPC and process contention", [split[m]["multiprocess"] - split[m]["wall"]
                                        for m in args.modes])
     row("**total, as served (engine process)**", [split[m]["multiprocess"] for m in args.modes])
+
+    from vllm_ascend.device.sim.ledger import ROWS as LEDGER_ROWS
+
+    print(f"\nChip-cost ledger: per decode step, what a chip would be asked to do (the "
+          f"simulator's counts)\n")
+    print("| per decode step | " + " | ".join(args.modes) + " |")
+    print("|---" * (len(args.modes) + 1) + "|")
+    for name in LEDGER_ROWS:
+        row(name, [ledgers[m][name] for m in args.modes])
 
 
 if __name__ == "__main__":

@@ -171,6 +171,39 @@ def expected_replays(mode: str, steps, num_layers: int, max_size: int,
     return dict(counts)
 
 
+def chip_cost_per_decode_step(llm, batch: int = 1, tokens: int = 8) -> dict:
+    """The simulator's chip-cost ledger (vllm_ascend/device/sim/ledger.py) of one decode step of
+    an in-process engine, `batch` requests: counts over 1 + tokens generated minus counts over 1,
+    over the engine steps between them (a speculative step makes several tokens)."""
+    from vllm import SamplingParams
+
+    from vllm_ascend.device.sim.ledger import ROWS, Ledger
+
+    runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+    execute_model = runner.execute_model
+    prompts = [f"Request {i}: tell me a story about the number {i}." for i in range(batch)]
+
+    def count(n):
+        steps = [0]
+
+        def counted(*args, **kwargs):
+            steps[0] += 1
+            return execute_model(*args, **kwargs)
+
+        runner.execute_model = counted
+        try:
+            with Ledger() as ledger:
+                llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n,
+                                                     ignore_eos=True), use_tqdm=False)
+        finally:
+            del runner.execute_model  # back to the class's
+        return ledger.counts, steps[0]
+
+    count(4)  # warm-up
+    (short, short_steps), (long, long_steps) = count(1), count(1 + tokens)
+    return {row: (long[row] - short[row]) / (long_steps - short_steps) for row in ROWS}
+
+
 def vllm_greedy(llm, prompts, max_tokens, **kwargs):
     from vllm import SamplingParams
 

@@ -5,9 +5,11 @@ replayed, so an eager fallback fails it."""
 
 import pytest
 
-from tests.e2e.conftest import (OUR_CLASSES, PROMPTS, check_logprobs_close, engine,
-                                expected_replays, graph_counts, hf_greedy, loaded_class,
-                                MAX_TOKENS, model_path, replays, vllm_greedy)
+from tests.e2e.conftest import (OUR_CLASSES, PROMPTS, chip_cost_per_decode_step,
+                                check_logprobs_close, engine, expected_replays, graph_counts,
+                                hf_greedy, loaded_class, MAX_TOKENS, model_path, replays,
+                                vllm_greedy)
+from vllm_ascend.device.sim.ledger import H2D, LAUNCHES, REPLAYS, SYNCS, UPDATES
 
 CAPTURE_SIZES = [1, 2, 4]
 MODES = ["PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]
@@ -115,3 +117,26 @@ def test_batch_larger_than_the_largest_size_runs_without_graphs(graph_llm):
     prompts = [f"Item {i} of the list is" for i in range(6)]
     made = check(llm, family, mode, prompts, f"{mode} 6")
     assert (6, 6) in made["steps"]  # 6 tokens per step > 4: these steps run without graphs
+
+
+# What vLLM itself asks of the device in a decode step of one request, outside the model (the
+# simulator's ledger, in eager mode; benchmarks/step_profile.py prints it): input preparation,
+# the LM head and sampling launch 42 kernels; the host waits twice (vLLM's input-preparation
+# sync and its read of the sampled token); 8 staged host-to-device copies of the step's inputs.
+VLLM_DECODE_STEP = {LAUNCHES: 42, SYNCS: 2, H2D: 8}
+
+
+def test_a_decode_step_costs_the_chip_what_its_mode_promises(graph_llm):
+    family, mode, llm = graph_llm
+    layers = num_layers(llm)
+    if mode == "PIECEWISE":
+        # The pieces replay; between them each layer's KV-cache write and FIA are launched.
+        expected = {LAUNCHES: VLLM_DECODE_STEP[LAUNCHES] + 2 * layers, REPLAYS: layers + 1,
+                    UPDATES: 0, SYNCS: VLLM_DECODE_STEP[SYNCS], H2D: VLLM_DECODE_STEP[H2D]}
+    else:
+        # One replay and one task update per attention layer, nothing of the model launched on
+        # its own. The host waits once more, for the previous replay before the next (as
+        # upstream vllm-ascend does), and copies the padded requests' metadata once.
+        expected = {LAUNCHES: VLLM_DECODE_STEP[LAUNCHES], REPLAYS: 1, UPDATES: layers,
+                    SYNCS: VLLM_DECODE_STEP[SYNCS] + 1, H2D: VLLM_DECODE_STEP[H2D] + 1}
+    assert chip_cost_per_decode_step(llm) == expected

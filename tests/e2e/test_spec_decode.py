@@ -5,9 +5,10 @@ metrics read back."""
 
 import pytest
 
-from tests.e2e.conftest import (PROMPTS, check_logprobs_close, engine, expected_replays,
-                                graph_counts, hf_greedy, MAX_TOKENS, model_path, replays,
-                                speculative_config, vllm_greedy)
+from tests.e2e.conftest import (PROMPTS, chip_cost_per_decode_step, check_logprobs_close,
+                                engine, expected_replays, graph_counts, hf_greedy, MAX_TOKENS,
+                                model_path, replays, speculative_config, vllm_greedy)
+from vllm_ascend.device.sim.ledger import REPLAYS, SYNCS, UPDATES
 
 MAX_NUM_SEQS = 4
 # (family, method, num_speculative_tokens, graph mode). Every method runs in FULL_AND_PIECEWISE
@@ -123,3 +124,27 @@ def test_more_than_16_query_tokens_per_request_fail_at_start():
             pass
     assert "at most 16 per request" in str(failure.value)
     assert "num_speculative_tokens <= 15" in str(failure.value)
+
+
+# The host's waits per step of speculative decoding with a model drafter, in vLLM itself (async
+# scheduling is off): the step's input-preparation wait, the sampled tokens' read, the drafter's
+# draft tokens' read and the next step's input preparation. None depends on the draft steps.
+VLLM_SPEC_SYNCS = 4
+
+
+def test_draft_steps_add_no_blocking_sync_and_no_task_update(spec_llm):
+    """Per engine step (one verify, k draft steps): the ledger's waits and updates are those of
+    the verify step; each draft step replays its drafter's pieces and nothing more."""
+    family, method, k, mode, llm = spec_llm
+    if method == "ngram":
+        pytest.skip("n-gram drafts on the host: it has no draft steps on the device, and its "
+                    "verify step's graph depends on whether the text repeats")
+    layers = llm.llm_engine.vllm_config.model_config.hf_config.num_hidden_layers
+    full_verify = mode in ("FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
+    verify_replays = 1 if full_verify else (layers + 1 if mode == "PIECEWISE" else 0)
+    drafter_pieces = draft_layers(llm) + 1 if "PIECEWISE" in mode else 0
+    cost = chip_cost_per_decode_step(llm)
+    assert {row: cost[row] for row in (SYNCS, UPDATES, REPLAYS)} == {
+        SYNCS: VLLM_SPEC_SYNCS + full_verify,  # + the wait before a FULL replay
+        UPDATES: layers if full_verify else 0,
+        REPLAYS: verify_replays + k * drafter_pieces}, cost
