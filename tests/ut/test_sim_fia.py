@@ -213,7 +213,11 @@ def test_mask_and_sparse_mode():  # F11-F13
     for wrong in (1 - MASK, MASK.t().contiguous(), torch.zeros_like(MASK)):
         with pytest.raises(AscendOpError, match="attnMask must be the 2048x2048 causal mask"):
             case.run(atten_mask=wrong)
-    case.run(atten_mask=MASK.bool())  # bool, int8 or uint8 with the same values
+    mask = MASK.bool()
+    case.run(atten_mask=mask)  # bool, int8 or uint8 with the same values
+    mask[0, 1] = False  # the same tensor, changed: checked again
+    with pytest.raises(AscendOpError, match="attnMask must be the 2048x2048 causal mask"):
+        case.run(atten_mask=mask)
 
 
 def test_inputs_must_be_contiguous():  # F14

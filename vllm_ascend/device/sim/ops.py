@@ -193,7 +193,7 @@ def check_fia(query, key, value, atten_mask, actual_seq_lengths, actual_seq_leng
     return q_lens, kv, d
 
 
-_CHECKED_MASKS: dict = {}  # (address, version) of masks found causal
+_UNCHECKED = object()
 
 
 def _check_causal_mask(mask: torch.Tensor) -> None:
@@ -201,9 +201,10 @@ def _check_causal_mask(mask: torch.Tensor) -> None:
     every value but builds the causal band from it, so any other mask is silently wrong there.
     The simulator checks the values once per mask contents: upper triangle 1 (masked), the rest
     0 (TORCH_NPU_CONTRACTS.md section 7: upstream passes triu(ones(2048, 2048), diagonal=1))."""
-    # An inference tensor has no version counter: its address stands for its contents.
-    key = (mask.data_ptr(), None if mask.is_inference() else mask._version)
-    if key in _CHECKED_MASKS:
+    # Checked once per tensor and contents (the attention builder passes one mask throughout),
+    # remembered on the tensor itself: an address or an id may be reused by another mask.
+    version = None if mask.is_inference() else mask._version
+    if getattr(mask, "_ascend_sim_causal_at", _UNCHECKED) == version:
         return
     with _disable_current_modes():  # the simulator's own look, not a device op of a capture
         square = mask.reshape(ATTEN_MASK_SIZE, ATTEN_MASK_SIZE).to(torch.bool)
@@ -213,7 +214,7 @@ def _check_causal_mask(mask: torch.Tensor) -> None:
         raise _fia_error(PARAM_INVALID, "When sparseMode is 3, attnMask must be the 2048x2048 "
                          "causal mask: 1 (masked) above the diagonal, 0 on and below it "
                          "(torch.triu(torch.ones(2048, 2048), diagonal=1))")
-    _CHECKED_MASKS[key] = True
+    mask._ascend_sim_causal_at = version
 
 
 def _gather_rows(flat: torch.Tensor, starts: list[int], lens: list[int], width: int):
