@@ -96,3 +96,42 @@ def test_the_engines_parent_process_asks_the_platform_nothing_of_the_device(no_c
         with pytest.raises(RuntimeError, match="no device is open in this process"):
             ask()
     NPUPlatform.log_warnings()  # the start-up line names the backend without asking the device
+
+
+def _touched(nbytes: int) -> bytearray:
+    """Host memory outside torch's allocator, resident (a communication buffer, say)."""
+    buffer = bytearray(nbytes)
+    buffer[::4096] = b"\1" * len(range(0, nbytes, 4096))
+    return buffer
+
+
+def test_device_memory_is_all_the_worker_process_holds_not_only_torchs(no_context):
+    npu.set_device(5)
+    before = npu.memory_allocated()
+    buffer = _touched(64 << 20)
+    assert npu.memory_allocated() - before >= 60 << 20
+    free, total = npu.mem_get_info()
+    assert abs((total - free) - npu.memory_allocated()) < 8 << 20
+    del buffer
+
+
+def test_the_kv_budget_leaves_out_memory_outside_torchs_allocator(no_context):
+    """A buffer the profile run leaves behind outside torch (HCCL's, a workspace) is not KV
+    cache: the budget is total x utilization minus everything in use at the peak, as upstream
+    profiles it from the device's free memory."""
+    import torch
+
+    from vllm_ascend.worker.worker import NPUWorker
+
+    npu.set_device(5)
+    kept = []
+    runner = types.SimpleNamespace(get_model=lambda: torch.nn.Linear(4, 4),
+                                   profile_run=lambda: kept.append(_touched(128 << 20)))
+    cache = types.SimpleNamespace(kv_cache_memory_bytes=None, gpu_memory_utilization=0.9)
+    worker = types.SimpleNamespace(model_runner=runner, cache_config=cache)
+    before = npu.memory_allocated()
+    available = NPUWorker.determine_available_memory(worker)
+    budget = int(npu.mem_get_info()[1] * 0.9)
+    assert available <= budget - before - (120 << 20)
+    total, weights, in_use = worker._memory_account
+    assert in_use >= before + (120 << 20) and weights == 4 * 4 * 4 + 4 * 4
