@@ -171,7 +171,7 @@ def expected_replays(mode: str, steps, num_layers: int, max_size: int,
     return dict(counts)
 
 
-def chip_cost_per_decode_step(llm, batch: int = 1, tokens: int = 8) -> dict:
+def chip_cost_per_decode_step(llm, batch: int = 1, tokens: int = 4) -> dict:
     """The simulator's chip-cost ledger (vllm_ascend/device/sim/ledger.py) of one decode step of
     an in-process engine, `batch` requests: counts over 1 + tokens generated minus counts over 1,
     over the engine steps between them (a speculative step makes several tokens)."""
@@ -199,7 +199,7 @@ def chip_cost_per_decode_step(llm, batch: int = 1, tokens: int = 8) -> dict:
             del runner.execute_model  # back to the class's
         return ledger.counts, steps[0]
 
-    count(4)  # warm-up
+    count(2)  # warm-up
     (short, short_steps), (long, long_steps) = count(1), count(1 + tokens)
     return {row: (long[row] - short[row]) / (long_steps - short_steps) for row in ROWS}
 
