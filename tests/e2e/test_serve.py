@@ -104,8 +104,7 @@ def test_start_up_log_says_graph_mode_kept_sizes_graphs_streams_and_memory(serve
     for counts in served_graph_counts(base):  # DP engine 0's two workers
         assert sum(counts["captured"].values()) == int(summaries[0][1])
     memory = re.findall(r"vllm-ascend: device sim \(.*\), memory 2\.00 GiB: weights 0\.0\d GiB, "
-                        r"activations and buffers [\d.]+ GiB, KV cache \d+ blocks x 128 tokens",
-                        log)
+                        r"activations [\d.]+ GiB, KV cache \d+ blocks x 128 tokens", log)
     assert len(memory) == 4, log[-3000:]
     assert "dtype=torch.bfloat16" in log
 

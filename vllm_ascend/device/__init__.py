@@ -56,18 +56,13 @@ class Backend:
         """Bytes of device memory this process holds now."""
         return self.torch_npu.npu.memory_allocated()
 
-    def peak_in_use_of(self, fn) -> int:
-        """Device memory in use at ``fn()``'s peak, all of it: the peak of torch's allocator plus
-        what the device holds outside it (communication buffers, graph pools, workspaces), read
-        from the device's free memory as upstream vllm-ascend's worker profiles it."""
+    def peak_memory_of(self, fn) -> int:
+        """Bytes of device memory ``fn()`` needed at its peak, beyond what was held before."""
         npu = self.torch_npu.npu
+        before = npu.memory_allocated()
         npu.reset_peak_memory_stats()
         fn()
-        npu.empty_cache()
-        stats = npu.memory_stats()
-        free, total = npu.mem_get_info()
-        outside = (total - free) - stats["allocated_bytes.all.current"]
-        return stats["allocated_bytes.all.peak"] + max(outside, 0)
+        return max(npu.max_memory_allocated() - before, 0)
 
     def stream_budget(self) -> int:
         """Streams the chip offers to the whole software stack."""
@@ -119,6 +114,12 @@ class SimBackend(Backend):
 
     def release_device(self) -> None:
         self.torch_npu.npu.release_device()  # another process may now open it
+
+    def peak_memory_of(self, fn) -> int:
+        # The host is the device: the growth of this process's resident memory.
+        before = self.memory_in_use()
+        fn()
+        return max(self.memory_in_use() - before, 0)
 
     def stream_budget(self) -> int:
         return self.torch_npu.npu.stream_budget()

@@ -74,19 +74,18 @@ class NPUWorker(Worker):
 
     @torch.inference_mode()
     def determine_available_memory(self) -> int:
-        # Upstream reads CUDA memory snapshots taken in its init_device. As upstream vllm-ascend
-        # does: budget = total * gpu_memory_utilization, minus all the device memory in use at
-        # the peak of a full batch (the profile run): weights, activations, and what lives
-        # outside torch's allocator (communication buffers, workspaces).
+        # Upstream reads CUDA memory snapshots taken in its init_device. Here the device memory
+        # is an account, like a chip's HBM: budget = total * gpu_memory_utilization, minus the
+        # weights and the activation peak of a full batch (the profile run).
         backend = device.current
         total = backend.total_memory()
         weights = _model_bytes(self.model_runner.get_model())
-        in_use = backend.peak_in_use_of(self.model_runner.profile_run)
-        self._memory_account = (total, weights, in_use)
+        activations = backend.peak_memory_of(self.model_runner.profile_run)
+        self._memory_account = (total, weights, activations)
         if self.cache_config.kv_cache_memory_bytes:
             return self.cache_config.kv_cache_memory_bytes
         budget = int(total * self.cache_config.gpu_memory_utilization)
-        available = budget - in_use
+        available = budget - weights - activations
         if available <= 0:
             setting = backend.memory_setting()
             hint = f", set {setting} higher" if setting else ""
@@ -94,22 +93,18 @@ class NPUWorker(Worker):
                 f"No memory left for the KV cache on the {backend.name} device: "
                 f"{budget / GiB:.2f} GiB budget ({total / GiB:.2f} GiB x "
                 f"gpu_memory_utilization {self.cache_config.gpu_memory_utilization}) minus "
-                f"{in_use / GiB:.2f} GiB in use at the profile run's peak (weights "
-                f"{weights / GiB:.2f} GiB, activations and buffers "
-                f"{max(in_use - weights, 0) / GiB:.2f} GiB). Raise "
-                f"gpu_memory_utilization{hint}, or lower max_num_batched_tokens.")
+                f"weights {weights / GiB:.2f} GiB and activations {activations / GiB:.2f} GiB. "
+                f"Raise gpu_memory_utilization{hint}, or lower max_num_batched_tokens.")
         return available
 
     def initialize_from_config(self, kv_cache_config) -> None:
         super().initialize_from_config(kv_cache_config)
-        weights = _model_bytes(self.model_runner.get_model())
-        total, weights, in_use = getattr(self, "_memory_account", (
-            device.current.total_memory(), weights, weights))
+        total, weights, activations = getattr(self, "_memory_account", (
+            device.current.total_memory(), _model_bytes(self.model_runner.get_model()), 0))
         logger.info(
-            "vllm-ascend: device %s (%s), memory %.2f GiB: weights %.2f GiB, activations and "
-            "buffers %.2f GiB, KV cache %d blocks x %d tokens (%.2f GiB)", device.current.name,
-            device.current.device_name(), total / GiB, weights / GiB,
-            max(in_use - weights, 0) / GiB,
+            "vllm-ascend: device %s (%s), memory %.2f GiB: weights %.2f GiB, activations "
+            "%.2f GiB, KV cache %d blocks x %d tokens (%.2f GiB)", device.current.name,
+            device.current.device_name(), total / GiB, weights / GiB, activations / GiB,
             kv_cache_config.num_blocks, self.cache_config.block_size,
             sum(t.size for t in kv_cache_config.kv_cache_tensors) / GiB)
 

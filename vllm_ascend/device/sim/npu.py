@@ -525,10 +525,6 @@ class DeviceContextError(RuntimeError):
 
 
 _context: "int | None" = None  # the physical device this process opened
-# The process's resident memory when its worker opened the device: the host's (interpreter,
-# libraries), not the device's. What the process holds beyond it is device memory, whatever
-# allocated it (torch, gloo buffers, graph pools, workspaces).
-_baseline = 0
 
 
 def _node_devices() -> int:
@@ -611,8 +607,6 @@ def _claim(physical: int) -> None:
             continue
         with os.fdopen(fd, "w") as f:
             f.write(str(os.getpid()))
-        global _baseline
-        _baseline = _resident()  # a worker's use of the device starts here
         return
 
 
@@ -690,54 +684,13 @@ def total_memory() -> int:
     return psutil.virtual_memory().total // 4
 
 
-def _resident() -> int:
+def memory_allocated(device=None) -> int:
     import psutil
 
-    return psutil.Process().memory_info().rss
-
-
-def _resident_peak() -> "int | None":
-    """The process's peak resident memory since reset_peak_memory_stats (Linux's VmHWM)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def memory_allocated(device=None) -> int:
-    """Device memory in use. The host is the device: everything the process allocated since its
-    worker opened the device counts, torch's tensors or not (communication buffers, graph
-    pools, workspaces), so the simulator reports it all as allocated."""
     _opened("memory_allocated")
-    return max(_resident() - _baseline, 0)
-
-
-def reset_peak_memory_stats(device=None) -> None:
-    _opened("reset_peak_memory_stats")
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current resident memory
-    except OSError:
-        pass  # then the peak is the process's lifetime peak: larger, the stricter reading
-
-
-def max_memory_allocated(device=None) -> int:
-    peak = _resident_peak()
-    current = memory_allocated()
-    return max(peak - _baseline, current) if peak is not None else current
-
-
-def memory_stats(device=None) -> dict:
-    return {"allocated_bytes.all.current": memory_allocated(),
-            "allocated_bytes.all.peak": max_memory_allocated()}
-
-
-def empty_cache() -> None:
-    _opened("empty_cache")
+    # The host is the device: everything the process holds, torch's tensors or not
+    # (communication buffers, graph pools, workspaces), counts against the device.
+    return psutil.Process().memory_info().rss
 
 
 def mem_get_info(device=None) -> tuple[int, int]:
