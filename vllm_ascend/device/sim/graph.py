@@ -280,15 +280,18 @@ def _poison_if_unowned(key: int) -> None:
 def _move_aliases(key: int, storage, byte_offset: int, owners) -> None:
     """A storage the capture moved into the pool's arena: its aliases follow it, and the
     tensors that own it there (``owners``) poison it for them when they go."""
-    for alias in _live_aliases(key):
-        with _disable_current_modes():
+    aliases = _live_aliases(key)
+    _WEAK_ALIASES.pop(key, None)
+    if not aliases:
+        return
+    with _disable_current_modes():
+        for alias in aliases:
             alias.set_(storage, byte_offset // alias.element_size() + alias.storage_offset(),
                        alias.size(), alias.stride())
-        new_key = _storage_key(alias)
-        _WEAK_ALIASES.setdefault(new_key, []).append(weakref.ref(alias))
-        for owner in owners:
-            weakref.finalize(owner, _poison_if_unowned, new_key)
-    _WEAK_ALIASES.pop(key, None)
+    new_key = _storage_key(aliases[0])  # the arena's: one watch per owner, not per alias
+    _WEAK_ALIASES.setdefault(new_key, []).extend(weakref.ref(a) for a in aliases)
+    for owner in owners:
+        weakref.finalize(owner, _poison_if_unowned, new_key)
 
 
 class _Slot:
@@ -421,9 +424,14 @@ class SimGraph:
                 tensors[k] = m.view_of(m.storage)
         # Non-owning aliases of moved storages (upstream keeps FIA's query and output that way)
         # point where the graph now reads and writes them.
-        for key in set(offset_of) & set(_WEAK_ALIASES):
-            owners = [tensors[k] for k, m in enumerate(metas) if m.key == key]
-            _move_aliases(key, arena, offset_of[key], [*owners, pool.arena])
+        moved_with_aliases = set(offset_of) & set(_WEAK_ALIASES)
+        if moved_with_aliases:
+            owners: dict[int, list] = {}
+            for k, m in enumerate(metas):
+                if m.key in moved_with_aliases:
+                    owners.setdefault(m.key, []).append(tensors[k])
+            for key in moved_with_aliases:
+                _move_aliases(key, arena, offset_of[key], [*owners[key], pool.arena])
         del alive, metas
 
         plain: dict[int, torch.Tensor] = {}
