@@ -91,7 +91,7 @@ def engine(model: str, multiprocess: bool = False, **kwargs):
 
     # max_num_batched_tokens 512: the start-up profile run of a full batch stays short in bf16
     # on a CPU (tests that need chunking set less).
-    args = dict(dtype="bfloat16", max_model_len=512, max_num_batched_tokens=512, seed=0,
+    args = dict(dtype="bfloat16", max_model_len=512, max_num_batched_tokens=512, seed=0, async_scheduling=False,
                 max_num_seqs=16)
     args.update(kwargs)
     with in_process(multiprocess):
