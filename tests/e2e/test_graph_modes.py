@@ -9,7 +9,7 @@ from tests.e2e.conftest import (OUR_CLASSES, PROMPTS, chip_cost_per_decode_step,
                                 check_logprobs_close, engine, expected_replays, graph_counts,
                                 hf_greedy, loaded_class, MAX_TOKENS, model_path, replays,
                                 vllm_greedy)
-from vllm_ascend.device.sim.ledger import H2D, LAUNCHES, REPLAYS, SYNCS, UPDATES
+from vllm_ascend.device.sim.ledger import LAUNCHES, PLUGIN_SYNCS, REPLAYS, UPDATES
 
 CAPTURE_SIZES = [1, 2, 4]
 MODES = ["PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]
@@ -119,11 +119,11 @@ def test_batch_larger_than_the_largest_size_runs_without_graphs(graph_llm):
     assert (6, 6) in made["steps"]  # 6 tokens per step > 4: these steps run without graphs
 
 
-# What vLLM itself asks of the device in a decode step of one request, outside the model (the
-# simulator's ledger, in eager mode; benchmarks/step_profile.py prints it): input preparation,
-# the LM head and sampling launch 42 kernels; the host waits twice (vLLM's input-preparation
-# sync and its read of the sampled token); 8 staged host-to-device copies of the step's inputs.
-VLLM_DECODE_STEP = {LAUNCHES: 42, SYNCS: 2, H2D: 8}
+# What vLLM itself launches in a decode step of one request, outside the model (the simulator's
+# ledger, in eager mode; benchmarks/step_profile.py prints it): input preparation, the LM head
+# and sampling. (vLLM's own waits and copies are not asserted: under async scheduling their
+# number depends on how far the host ran ahead of the device.)
+VLLM_DECODE_LAUNCHES = 42
 
 
 def test_a_decode_step_costs_the_chip_what_its_mode_promises(graph_llm):
@@ -131,12 +131,13 @@ def test_a_decode_step_costs_the_chip_what_its_mode_promises(graph_llm):
     layers = num_layers(llm)
     if mode == "PIECEWISE":
         # The pieces replay; between them each layer's KV-cache write and FIA are launched.
-        expected = {LAUNCHES: VLLM_DECODE_STEP[LAUNCHES] + 2 * layers, REPLAYS: layers + 1,
-                    UPDATES: 0, SYNCS: VLLM_DECODE_STEP[SYNCS], H2D: VLLM_DECODE_STEP[H2D]}
+        expected = {LAUNCHES: VLLM_DECODE_LAUNCHES + 2 * layers, REPLAYS: layers + 1,
+                    UPDATES: 0, PLUGIN_SYNCS: 0}
     else:
         # One replay and one task update per attention layer, nothing of the model launched on
-        # its own. The host waits once more, for the previous replay before the next (as
-        # upstream vllm-ascend does), and copies the padded requests' metadata once.
-        expected = {LAUNCHES: VLLM_DECODE_STEP[LAUNCHES], REPLAYS: 1, UPDATES: layers,
-                    SYNCS: VLLM_DECODE_STEP[SYNCS] + 1, H2D: VLLM_DECODE_STEP[H2D] + 1}
-    assert chip_cost_per_decode_step(llm) == expected
+        # its own; the plugin waits once, for the previous replay before the next (as upstream
+        # vllm-ascend does).
+        expected = {LAUNCHES: VLLM_DECODE_LAUNCHES, REPLAYS: 1, UPDATES: layers,
+                    PLUGIN_SYNCS: 1}
+    cost = chip_cost_per_decode_step(llm)
+    assert {row: cost[row] for row in expected} == expected, cost

@@ -8,7 +8,7 @@ import pytest
 from tests.e2e.conftest import (PROMPTS, chip_cost_per_decode_step, check_logprobs_close,
                                 engine, expected_replays, graph_counts, hf_greedy, MAX_TOKENS,
                                 model_path, replays, speculative_config, vllm_greedy)
-from vllm_ascend.device.sim.ledger import REPLAYS, SYNCS, UPDATES
+from vllm_ascend.device.sim.ledger import PLUGIN_SYNCS, REPLAYS, UPDATES
 
 MAX_NUM_SEQS = 4
 # (family, method, num_speculative_tokens, graph mode). Every method runs in FULL_AND_PIECEWISE
@@ -124,12 +124,6 @@ def test_more_than_16_query_tokens_per_request_fail_at_start():
     assert "num_speculative_tokens <= 15" in str(failure.value)
 
 
-# The host's waits per step of speculative decoding with a model drafter, in vLLM itself (async
-# scheduling is off): the step's input-preparation wait, the sampled tokens' read, the drafter's
-# draft tokens' read and the next step's input preparation. None depends on the draft steps.
-VLLM_SPEC_SYNCS = 4
-
-
 def test_draft_steps_add_no_blocking_sync_and_no_task_update(spec_llm):
     """Per engine step (one verify, k draft steps): the ledger's waits and updates are those of
     the verify step; each draft step replays its drafter's pieces and nothing more."""
@@ -142,7 +136,7 @@ def test_draft_steps_add_no_blocking_sync_and_no_task_update(spec_llm):
     verify_replays = 1 if full_verify else (layers + 1 if mode == "PIECEWISE" else 0)
     drafter_pieces = draft_layers(llm) + 1 if "PIECEWISE" in mode else 0
     cost = chip_cost_per_decode_step(llm)
-    assert {row: cost[row] for row in (SYNCS, UPDATES, REPLAYS)} == {
-        SYNCS: VLLM_SPEC_SYNCS + full_verify,  # + the wait before a FULL replay
+    assert {row: cost[row] for row in (PLUGIN_SYNCS, UPDATES, REPLAYS)} == {
+        PLUGIN_SYNCS: int(full_verify),  # the wait before a FULL replay, as upstream's
         UPDATES: layers if full_verify else 0,
         REPLAYS: verify_replays + k * drafter_pieces}, cost

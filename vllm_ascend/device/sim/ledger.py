@@ -8,7 +8,8 @@ While a ``Ledger`` is entered (``with Ledger() as ledger:``), the simulator coun
 * ``graph replays``: ``NPUGraph.replay()`` calls, one launch each however many nodes they hold.
 * ``task updates``: FIA re-issues through ``graph_task_update_begin/end``.
 * ``blocking syncs``: the host waiting for the device: ``synchronize()`` of the device, a stream
-  or an event, and a host read of a device value (``.item()``, ``bool(tensor)``).
+  or an event, and a host read of a device value (``.item()``, ``bool(tensor)``); of them,
+  ``blocking syncs by vllm-ascend`` those the plugin's own code asks for.
 * ``host-to-device copies``: ``copy_(..., non_blocking=True)``, the staged copy vLLM and the
   plugin make from host buffers to device buffers (on the simulator both are CPU tensors, so
   the non-blocking flag is what names the direction).
@@ -17,6 +18,7 @@ The simulator's introspection, not torch_npu API: for benchmarks/step_profile.py
 """
 
 import collections
+import sys
 import threading
 
 import torch
@@ -24,7 +26,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 LAUNCHES, REPLAYS, UPDATES, SYNCS, H2D = ("kernel launches", "graph replays", "task updates",
                                           "blocking syncs", "host-to-device copies")
-ROWS = (LAUNCHES, REPLAYS, UPDATES, SYNCS, H2D)
+# The blocking syncs the plugin's own code asks for (the rest are vLLM's, whose number under
+# async scheduling depends on how far the host ran ahead of the device).
+PLUGIN_SYNCS = "blocking syncs by vllm-ascend"
+ROWS = (LAUNCHES, REPLAYS, UPDATES, SYNCS, PLUGIN_SYNCS, H2D)
 _COUNTED_NAMESPACES = {"aten", "prims", "ascend_sim", "c10d"}
 # Ops that read a device value on the host (graph.py refuses them during capture).
 HOST_SYNCS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default,
@@ -40,6 +45,19 @@ def note(row: str) -> None:
     """Count one ``row`` event if a ledger is open."""
     if _active is not None:
         _active.counts[row] += 1
+        if row == SYNCS and _asked_by_plugin():
+            _active.counts[PLUGIN_SYNCS] += 1
+
+
+def _asked_by_plugin() -> bool:
+    """Whether the innermost caller outside torch and the simulator is vllm-ascend's code."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if not (module.startswith("vllm_ascend.device") or module.split(".")[0] == "torch"):
+            return module.split(".")[0] == "vllm_ascend"
+        frame = frame.f_back
+    return False
 
 
 class replaying:
@@ -86,7 +104,7 @@ class _Counting(TorchDispatchMode):
                 return func._op_dk(torch._C.DispatchKey.CPU, *args, **kwargs)
         if getattr(_replaying, "depth", 0) == 0:
             if func in HOST_SYNCS:
-                self.counts[SYNCS] += 1
+                note(SYNCS)
             elif func is torch.ops.aten.copy_.default and kwargs.get(
                     "non_blocking", args[2] if len(args) > 2 else False):
                 self.counts[H2D] += 1
