@@ -48,6 +48,7 @@ def main() -> None:
                         help="speculative decoding with this method, 3 tokens a step")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ASCEND_SIM_MEMORY_GB", "1")  # one simulated device per worker
+    os.environ.setdefault("HCCL_BUFFSIZE", "8")  # 2 x 8 MB per communicator fits a 1 GiB device
     for mode in args.modes:
         check(mode, args.family, args.tensor_parallel_size, args.pipeline_parallel_size,
               args.speculative)

@@ -15,6 +15,9 @@ import pytest
 import requests
 
 os.environ.setdefault("VLLM_ASCEND_SIM_MEMORY_GB", "2")  # small simulated device: fast KV alloc
+# Each communicator holds 2 x HCCL_BUFFSIZE MB of device memory outside torch (200 by default,
+# more than a 2 GiB device's unrequested 8 %), as on a chip: a small device wants small buffers.
+os.environ.setdefault("HCCL_BUFFSIZE", "16")
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(callable)
 
 from scripts.models import eagle_head_dir, smollm2_dir, tiny_model_dir  # noqa: E402
@@ -91,8 +94,10 @@ def engine(model: str, multiprocess: bool = False, **kwargs):
 
     # max_num_batched_tokens 512: the start-up profile run of a full batch stays short in bf16
     # on a CPU (tests that need chunking set less).
+    # gpu_memory_utilization 0.3: up to three engines live at once in this process (a module's
+    # fixtures), sharing its one simulated device as they would share a chip.
     args = dict(dtype="bfloat16", max_model_len=512, max_num_batched_tokens=512, seed=0, async_scheduling=False,
-                max_num_seqs=16)
+                max_num_seqs=16, gpu_memory_utilization=0.3)
     args.update(kwargs)
     with in_process(multiprocess):
         llm = LLM(model, **args)

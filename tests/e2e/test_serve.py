@@ -103,9 +103,16 @@ def test_start_up_log_says_graph_mode_kept_sizes_graphs_streams_and_memory(serve
         assert int(streams) == 2 * int(graphs)
     for counts in served_graph_counts(base):  # DP engine 0's two workers
         assert sum(counts["captured"].values()) == int(summaries[0][1])
-    memory = re.findall(r"vllm-ascend: device sim \(.*\), memory 2\.00 GiB: weights 0\.0\d GiB, "
-                        r"activations [\d.]+ GiB, KV cache \d+ blocks x 128 tokens", log)
+    # Outside torch: each worker's TP communicator, 2 x HCCL_BUFFSIZE (16 MB; the DP engines
+    # coordinate over the host); all of it, the weights, the activation peak and the KV cache
+    # fit the device.
+    memory = re.findall(r"vllm-ascend: device sim \(.*\), memory 2\.00 GiB: weights (0\.0\d) GiB, "
+                        r"activation peak ([\d.]+) GiB, outside torch 0\.03 GiB, KV cache \d+ "
+                        r"blocks x 128 tokens \(([\d.]+) GiB\)", log)
     assert len(memory) == 4, log[-3000:]
+    for weights, peak, kv_cache in memory:
+        assert 1.5 < float(kv_cache) and \
+            float(weights) + float(peak) + 0.03125 + float(kv_cache) <= 2.0, memory
     assert "dtype=torch.bfloat16" in log
 
 

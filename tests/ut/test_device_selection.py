@@ -54,7 +54,7 @@ def test_the_platform_and_worker_read_device_facts_not_the_backend_name():
             chip.memory_setting()) == (True, None, None, None)
     simulated = SimBackend(sim, "test")
     assert simulated.pin_memory_available() is False
-    assert simulated.communicator_cls().endswith("cpu_communicator.CpuCommunicator")
+    assert simulated.communicator_cls().endswith("sim.comm.SimCommunicator")
     assert simulated.host_compute_threads() == len(os.sched_getaffinity(0))
     assert simulated.memory_setting() == "VLLM_ASCEND_SIM_MEMORY_GB"
     # This process runs the simulator: the platform answers with its facts.

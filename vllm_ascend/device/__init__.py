@@ -43,8 +43,11 @@ class Backend:
         anything before that opens a context on device 0 (torch_npu's lazy init)."""
         return self.torch_npu.npu.is_initialized()
 
+    def hold_device(self) -> None:
+        """A worker of this process uses its device (until ``release_device``)."""
+
     def release_device(self) -> None:
-        """The worker on this process's device shut down (a context stays until exit)."""
+        """A worker on this process's device shut down (a context stays until exit)."""
 
     def torch_device(self, index: int = 0) -> torch.device:
         return torch.device(self.torch_device_type, index)
@@ -55,14 +58,6 @@ class Backend:
     def memory_in_use(self) -> int:
         """Bytes of device memory this process holds now."""
         return self.torch_npu.npu.memory_allocated()
-
-    def peak_memory_of(self, fn) -> int:
-        """Bytes of device memory ``fn()`` needed at its peak, beyond what was held before."""
-        npu = self.torch_npu.npu
-        before = npu.memory_allocated()
-        npu.reset_peak_memory_stats()
-        fn()
-        return max(npu.max_memory_allocated() - before, 0)
 
     def stream_budget(self) -> int:
         """Streams the chip offers to the whole software stack."""
@@ -112,14 +107,11 @@ class SimBackend(Backend):
     def total_memory(self) -> int:
         return self.torch_npu.npu.total_memory()
 
-    def release_device(self) -> None:
-        self.torch_npu.npu.release_device()  # another process may now open it
+    def hold_device(self) -> None:
+        self.torch_npu.npu.hold_device()
 
-    def peak_memory_of(self, fn) -> int:
-        # The host is the device: the growth of this process's resident memory.
-        before = self.memory_in_use()
-        fn()
-        return max(self.memory_in_use() - before, 0)
+    def release_device(self) -> None:
+        self.torch_npu.npu.release_device()  # after the last worker, another process may open it
 
     def stream_budget(self) -> int:
         return self.torch_npu.npu.stream_budget()
@@ -129,8 +121,8 @@ class SimBackend(Backend):
         return False
 
     def communicator_cls(self) -> str | None:
-        # Collectives run on gloo between host processes.
-        return "vllm.distributed.device_communicators.cpu_communicator.CpuCommunicator"
+        # Collectives run on gloo between host processes; each holds HCCL's device buffers.
+        return "vllm_ascend.device.sim.comm.SimCommunicator"
 
     def host_compute_threads(self) -> int | None:
         return len(os.sched_getaffinity(0))  # the CPU *is* the device: every core computes
@@ -149,18 +141,10 @@ class SimBackend(Backend):
                 "inherit")
 
     def prepare_process(self) -> None:
-        # torch has no CPU accelerator, yet vLLM calls torch.accelerator.synchronize /
-        # empty_cache unconditionally (shutdown, profiling clean-up): the device is the host.
-        def noop(*args, **kwargs):
-            return None
-
-        def empty_cache_noop(*args, **kwargs):  # distinct object: Dynamo keys on identity
-            return None
-
-        torch.accelerator.synchronize = noop
-        torch.accelerator.empty_cache = empty_cache_noop
+        # torch has no CPU accelerator, yet vLLM empties its host cache at shutdown
+        # (vllm_ascend/patch/torch_accelerator.py routes the rest to the simulator).
         if hasattr(torch.accelerator, "empty_host_cache"):
-            torch.accelerator.empty_host_cache = noop
+            torch.accelerator.empty_host_cache = lambda *args, **kwargs: None
         self.torch_npu.log_calls_if_requested()
 
 

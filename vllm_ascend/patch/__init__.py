@@ -3,6 +3,7 @@ limitation it works around and when to remove it. ``apply()`` is idempotent."""
 
 
 def apply() -> None:
-    from vllm_ascend.patch import engine_core_client
+    from vllm_ascend.patch import engine_core_client, torch_accelerator
 
     engine_core_client.apply()
+    torch_accelerator.apply()

@@ -244,10 +244,6 @@ class NPUModelRunner(GPUModelRunner):
         return super()._model_forward(input_ids, positions, intermediate_tensors,
                                       inputs_embeds, **model_kwargs)
 
-    def _sync_device(self) -> None:
-        # Upstream calls torch.accelerator.synchronize(), which has no CPU accelerator.
-        torch_npu.npu.synchronize()
-
     def shutdown(self) -> None:
         # Upstream frees graphs only on ROCm (CUDAGraphWrapper.clear_all_graphs): free this
         # engine's, and the streams they hold, so that another engine in the process has them.

@@ -1,17 +1,21 @@
 """NPUWorker: upstream's GPU worker with Ascend device set-up, memory budget and warm-up."""
 
 import contextlib
+import gc
 import os
+import weakref
 
 import torch
 from vllm_ascend.logger import get_logger
 from vllm.platforms import current_platform
 from vllm.platforms.interface import set_assigned_physical_gpu_ids
+from vllm.utils.mem_utils import MemorySnapshot
 from vllm.utils.torch_utils import OMP_NUM_THREADS_SET_BY_VLLM, set_random_seed
 from vllm.v1.worker.gpu_worker import Worker, init_worker_distributed_environment
+from vllm.v1.worker.utils import request_memory
 from vllm.v1.worker.worker_base import CompilationTimes
 
-from vllm_ascend import device
+from vllm_ascend import device, patch
 from vllm_ascend.device import torch_npu
 from vllm_ascend.worker.model_runner import NPUModelRunner
 
@@ -19,23 +23,41 @@ logger = get_logger(__name__)
 GiB = float(1 << 30)
 
 
-def _model_bytes(model: torch.nn.Module) -> int:
-    tensors = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()]}
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+def request_device_memory(snapshot: MemorySnapshot, cache_config) -> int:
+    """total x gpu_memory_utilization, which must be free at start-up (upstream's check), with
+    what holds the rest named."""
+    try:
+        return request_memory(snapshot, cache_config)
+    except ValueError as e:
+        raise ValueError(
+            f"{e} Of the device's memory, {snapshot.non_torch_memory / GiB:.2f} GiB is held "
+            "outside torch's allocator (other processes, the runtime, and 2 x HCCL_BUFFSIZE MB "
+            "per communicator of this worker: lower HCCL_BUFFSIZE to shrink those).") from None
 
 
 class NPUWorker(Worker):
     def init_device(self):
-        # Upstream raises for any device type but cuda; the device binding is its cuda branch's.
+        # Upstream raises for any device type but cuda; the device binding and the memory
+        # snapshot are its cuda branch's.
         backend = device.current
         backend.prepare_process()
+        patch.apply()  # torch.accelerator reaches the device (a spawned worker's first call)
         index = self._visible_device_index()
         self.device = backend.torch_device(index)
         torch_npu.npu.set_device(index)
+        backend.hold_device()
+        # Released at shutdown, or when a worker whose start failed (never shut down) is collected.
+        self._device_hold = weakref.finalize(self, backend.release_device)
         init_worker_distributed_environment(self.vllm_config, self.rank,
                                             self.distributed_init_method, self.local_rank,
                                             current_platform.dist_backend)
         set_random_seed(self.model_config.seed)
+        # The snapshot follows the communicators, whose buffers are device memory outside
+        # torch's allocator: the KV-cache budget is profiled from the device's free memory.
+        gc.collect()
+        torch.accelerator.empty_cache()
+        self.init_snapshot = MemorySnapshot(device=self.device)
+        self.requested_memory = request_device_memory(self.init_snapshot, self.cache_config)
         self._init_workspace_and_model_runner()
 
     def _visible_device_index(self) -> int:
@@ -50,7 +72,8 @@ class NPUWorker(Worker):
 
     def shutdown(self) -> None:
         super().shutdown()
-        device.current.release_device()
+        if hasattr(self, "_device_hold"):
+            self._device_hold()
 
     def _make_model_runner(self) -> NPUModelRunner:
         return NPUModelRunner(self.vllm_config, self.device)
@@ -72,39 +95,35 @@ class NPUWorker(Worker):
             logger.info("vllm-ascend: the host computes the device's work: %d torch threads "
                         "(set OMP_NUM_THREADS to choose another number)", torch.get_num_threads())
 
-    @torch.inference_mode()
     def determine_available_memory(self) -> int:
-        # Upstream reads CUDA memory snapshots taken in its init_device. Here the device memory
-        # is an account, like a chip's HBM: budget = total * gpu_memory_utilization, minus the
-        # weights and the activation peak of a full batch (the profile run).
-        backend = device.current
-        total = backend.total_memory()
-        weights = _model_bytes(self.model_runner.get_model())
-        activations = backend.peak_memory_of(self.model_runner.profile_run)
-        self._memory_account = (total, weights, activations)
-        if self.cache_config.kv_cache_memory_bytes:
-            return self.cache_config.kv_cache_memory_bytes
-        budget = int(total * self.cache_config.gpu_memory_utilization)
-        available = budget - weights - activations
-        if available <= 0:
-            setting = backend.memory_setting()
+        available = super().determine_available_memory()
+        # What the profile found outside torch's allocator (communication buffers, the
+        # runtime's), for the start-up log line.
+        self._outside_torch = MemorySnapshot(device=self.device).non_torch_memory
+        if available <= 0 and not self.cache_config.kv_cache_memory_bytes:
+            setting = device.current.memory_setting()
             hint = f", set {setting} higher" if setting else ""
             raise ValueError(
-                f"No memory left for the KV cache on the {backend.name} device: "
-                f"{budget / GiB:.2f} GiB budget ({total / GiB:.2f} GiB x "
-                f"gpu_memory_utilization {self.cache_config.gpu_memory_utilization}) minus "
-                f"weights {weights / GiB:.2f} GiB and activations {activations / GiB:.2f} GiB. "
+                f"No memory left for the KV cache on the {device.current.name} device: "
+                f"{self.requested_memory / GiB:.2f} GiB budget "
+                f"({self.init_snapshot.total_memory / GiB:.2f} GiB x gpu_memory_utilization "
+                f"{self.cache_config.gpu_memory_utilization}) minus "
+                f"{self.total_consumed / GiB:.2f} GiB the engine took from the device's free "
+                f"memory by the end of its profile run (weights "
+                f"{self.model_runner.model_memory_usage / GiB:.2f} GiB) and "
+                f"{self.peak_activation_memory / GiB:.2f} GiB of activation peak. "
                 f"Raise gpu_memory_utilization{hint}, or lower max_num_batched_tokens.")
         return available
 
     def initialize_from_config(self, kv_cache_config) -> None:
         super().initialize_from_config(kv_cache_config)
-        total, weights, activations = getattr(self, "_memory_account", (
-            device.current.total_memory(), _model_bytes(self.model_runner.get_model()), 0))
         logger.info(
-            "vllm-ascend: device %s (%s), memory %.2f GiB: weights %.2f GiB, activations "
-            "%.2f GiB, KV cache %d blocks x %d tokens (%.2f GiB)", device.current.name,
-            device.current.device_name(), total / GiB, weights / GiB, activations / GiB,
+            "vllm-ascend: device %s (%s), memory %.2f GiB: weights %.2f GiB, activation peak "
+            "%.2f GiB, outside torch %.2f GiB, KV cache %d blocks x %d tokens (%.2f GiB)",
+            device.current.name, device.current.device_name(),
+            self.init_snapshot.total_memory / GiB, self.model_runner.model_memory_usage / GiB,
+            getattr(self, "peak_activation_memory", 0) / GiB,
+            getattr(self, "_outside_torch", self.init_snapshot.non_torch_memory) / GiB,
             kv_cache_config.num_blocks, self.cache_config.block_size,
             sum(t.size for t in kv_cache_config.kv_cache_tensors) / GiB)
 

@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from vllm_ascend.device.sim import graph as _graph
 from vllm_ascend.device.sim import ledger as _ledger
+from vllm_ascend.device.sim import memory as _memory
 
 STREAMS_ENV = "VLLM_ASCEND_SIM_STREAMS"
 DEFAULT_STREAMS = 2048  # a 910-class chip's stream budget for the whole software stack
@@ -91,6 +92,7 @@ class Stream:
     def synchronize(self) -> None:
         _ledger.note(_ledger.SYNCS)
         _check_no_waiting_replay("synchronize")
+        _memory.synchronized()
 
     def wait_stream(self, stream) -> None:
         stream.flush()  # this stream's later work runs after all that ``stream`` holds now
@@ -148,6 +150,7 @@ def stream(s: "Stream | None"):
 def synchronize(device=None) -> None:
     _ledger.note(_ledger.SYNCS)
     _check_no_waiting_replay("synchronize")
+    _memory.synchronized()
 
 
 def is_current_stream_capturing() -> bool:
@@ -176,6 +179,7 @@ class Event:
         _ledger.note(_ledger.SYNCS)
         self.wait()
         _check_no_waiting_replay("Event.synchronize")
+        _memory.synchronized()
 
     def query(self) -> bool:
         return (self._mark is None or self._mark[0].done(self._mark[1])) and not _mine()
@@ -588,7 +592,8 @@ def devices_in_use() -> dict[int, int]:
     return held
 
 
-def _claim(physical: int) -> None:
+def _claim(physical: int) -> bool:
+    """Take ``physical`` for this process; whether it was not already this process's."""
     path = os.path.join(_registry(), f"device-{physical}")
     for _ in range(2):
         try:
@@ -596,7 +601,7 @@ def _claim(physical: int) -> None:
         except FileExistsError:
             holder = devices_in_use().get(physical)
             if holder == os.getpid():
-                return
+                return False
             if holder is not None:
                 raise DeviceContextError(
                     f"device {physical} is already in use by process {holder}: two workers on "
@@ -607,7 +612,7 @@ def _claim(physical: int) -> None:
             continue
         with os.fdopen(fd, "w") as f:
             f.write(str(os.getpid()))
-        return
+        return True
 
 
 def set_device(device) -> None:
@@ -632,13 +637,26 @@ def set_device(device) -> None:
         raise DeviceContextError(
             f"set_device({index}) opens device {physical}, but this process already opened "
             f"device {_context}: one device context per process (one worker per device).")
-    _claim(physical)
+    if _claim(physical):
+        _memory.open_device()  # a worker's device: what the process holds now is host memory
     _context = physical
 
 
+_workers = 0  # the workers of this process that hold its device (engines run in-process)
+
+
+def hold_device() -> None:
+    """A worker of this process uses its device until it calls ``release_device``."""
+    global _workers
+    _workers += 1
+
+
 def release_device() -> None:
-    """The worker using this process's device shut down: another process may open it."""
-    if _context is not None and devices_in_use().get(_context) == os.getpid():
+    """A worker using this process's device shut down: when it was the last, another process
+    may open the device, and a worker that opens it next starts from an empty device."""
+    global _workers
+    _workers = max(_workers - 1, 0)
+    if _workers == 0 and _context is not None and devices_in_use().get(_context) == os.getpid():
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(_registry(), f"device-{_context}"))
 
@@ -684,15 +702,48 @@ def total_memory() -> int:
     return psutil.virtual_memory().total // 4
 
 
-def memory_allocated(device=None) -> int:
-    import psutil
+def _check_memory(what: str) -> int:
+    """The device this process opened, after the out-of-memory check: the simulator cannot see
+    allocations, so an excess is found when memory is next asked about."""
+    device = _opened(what)
+    _memory.check_capacity(total_memory(), device)
+    return device
 
-    _opened("memory_allocated")
-    # The host is the device: everything the process holds, torch's tensors or not
-    # (communication buffers, graph pools, workspaces), counts against the device.
-    return psutil.Process().memory_info().rss
+
+# torch's allocator (sim/memory.py: the heap this process gained since it opened its device) and
+# the whole device (that, plus what is held outside torch's allocator).
+def memory_allocated(device=None) -> int:
+    _check_memory("memory_allocated")
+    return _memory.allocated()
+
+
+def memory_reserved(device=None) -> int:
+    _check_memory("memory_reserved")
+    return _memory.allocated()  # no cache: the heap returns what torch frees
+
+
+def max_memory_allocated(device=None) -> int:
+    _check_memory("max_memory_allocated")
+    return _memory.peak()
+
+
+def reset_peak_memory_stats(device=None) -> None:
+    _opened("reset_peak_memory_stats")
+    _memory.reset_peak()
+
+
+def memory_stats(device=None) -> dict:
+    _check_memory("memory_stats")
+    current, peak = _memory.allocated(), _memory.peak()
+    return {"allocated_bytes.all.current": current, "allocated_bytes.all.peak": peak,
+            "reserved_bytes.all.current": current, "reserved_bytes.all.peak": peak}
+
+
+def empty_cache() -> None:
+    """Nothing is cached: the heap takes back what torch frees at once."""
 
 
 def mem_get_info(device=None) -> tuple[int, int]:
+    _check_memory("mem_get_info")
     total = total_memory()
-    return max(total - memory_allocated(), 0), total
+    return max(total - _memory.used(), 0), total

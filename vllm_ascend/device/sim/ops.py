@@ -15,6 +15,8 @@ import torch
 from torch.library import Library
 from torch.utils._python_dispatch import _disable_current_modes
 
+from vllm_ascend.device.sim import memory as _memory
+
 _lib = Library("ascend_sim", "DEF")
 
 FIA_MAX_BATCH = 4096  # actual_seq_lengths(_kv) entries the chip accepts
@@ -33,6 +35,17 @@ class AscendOpError(RuntimeError):
         super().__init__(f"{op} call {aclnn} failed, error code is {code}\n"
                          f"[ERROR] EZ9999: Inner Error!\nEZ9999: {message}")
         self.code = code
+
+
+def _sampling(impl):
+    """The op, then, while a peak is measured, a look at the device's memory: its inputs and
+    outputs live now (sim/memory.py)."""
+    def op(*args, **kwargs):
+        out = impl(*args, **kwargs)
+        _memory.op_ran()
+        return out
+
+    return op
 
 
 def _fia_error(code, message):
@@ -340,8 +353,8 @@ def fia_workspace_elements(query, block_table, num_heads) -> int:
     return 4096 + 64 * num_heads * (query.shape[0] + batch)
 
 
-_lib.impl("npu_fused_infer_attention_score", _fia_impl, "CPU")
-_lib.impl("npu_fused_infer_attention_score.out", _fia_out_impl, "CPU")
+_lib.impl("npu_fused_infer_attention_score", _sampling(_fia_impl), "CPU")
+_lib.impl("npu_fused_infer_attention_score.out", _sampling(_fia_out_impl), "CPU")
 
 
 # -- writing K/V into the paged caches -----------------------------------------------------------
@@ -533,7 +546,7 @@ def _mrope_impl(positions, query, key, cos_sin_cache, head_size, *, mrope_sectio
 
 _lib.impl("npu_rms_norm", _rms_norm_impl, "CPU")
 _lib.impl("npu_add_rms_norm", _add_rms_norm_impl, "CPU")
-_lib.impl("npu_swiglu", _swiglu_impl, "CPU")
+_lib.impl("npu_swiglu", _sampling(_swiglu_impl), "CPU")
 _lib.impl("npu_rotary_mul", _rotary_mul_impl, "CPU")
 _lib.impl("npu_mrope", _mrope_impl, "CPU")
 
