@@ -96,7 +96,7 @@ def engine(model: str, multiprocess: bool = False, **kwargs):
     # on a CPU (tests that need chunking set less).
     # gpu_memory_utilization 0.3: up to three engines live at once in this process (a module's
     # fixtures), sharing its one simulated device as they would share a chip.
-    args = dict(dtype="bfloat16", max_model_len=512, max_num_batched_tokens=512, seed=0, async_scheduling=False,
+    args = dict(dtype="bfloat16", max_model_len=512, max_num_batched_tokens=512, seed=0,
                 max_num_seqs=16, gpu_memory_utilization=0.3)
     args.update(kwargs)
     with in_process(multiprocess):
