@@ -1,0 +1,176 @@
+"""The simulator's mixture-of-experts operators, as upstream vllm-ascend's all-gather MoE path
+calls them (ops/fused_moe/token_dispatcher.py ``TokenDispatcherWithAllGather``, moe_mlp.py
+``unquant_apply_mlp``, device/device_op.py): gating top-k, routing, grouped matmul, unpermute.
+docs/torch_npu_calls.md holds each contract and its source. Unquantized, dropless
+(``drop_pad_mode=0``) only: anything else is refused by name, not ignored.
+
+Where the chip leaves a value undefined (the rows of a grouped matmul's output past the routed
+tokens, ``expanded_x`` rows past the valid count), the simulator writes NaN, so a consumer that
+reads them gets poison, not a plausible zero.
+"""
+
+import torch
+from torch.library import Library
+
+from vllm_ascend.device.sim.ops import PARAM_INVALID, TILING_ERROR, AscendOpError
+
+_lib = Library("ascend_sim", "FRAGMENT")
+FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+GMM_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _error(op):
+    return lambda code, message: AscendOpError(op, f"aclnn op of {op}", code, message)
+
+
+_lib.define("npu_moe_gating_top_k_softmax(Tensor x, Tensor? finished=None, int k=1) "
+            "-> (Tensor, Tensor, Tensor)")
+_lib.define("npu_moe_init_routing_v2(Tensor x, Tensor expert_idx, *, Tensor? scale=None, "
+            "Tensor? offset=None, int active_num=-1, int expert_capacity=-1, int expert_num=-1, "
+            "int drop_pad_mode=0, int expert_tokens_num_type=0, "
+            "bool expert_tokens_num_flag=False, int quant_mode=0, "
+            "int[] active_expert_range=[], int row_idx_type=0) "
+            "-> (Tensor, Tensor, Tensor, Tensor)")
+_lib.define("npu_grouped_matmul(Tensor[] x, Tensor[] weight, *, Tensor[]? bias=None, "
+            "Tensor? group_list=None, int split_item=0, int? group_type=None, "
+            "int group_list_type=0) -> Tensor[]")
+_lib.define("npu_moe_token_unpermute(Tensor permuted_tokens, Tensor sorted_indices, "
+            "Tensor? probs=None, bool padded_mode=False, int[]? restore_shape=None) -> Tensor")
+
+
+def _gating_impl(x, finished=None, k=1):
+    error = _error("npu_moe_gating_top_k_softmax")
+    if x.dim() not in (2, 3) or x.dtype not in FLOATS:
+        raise error(PARAM_INVALID, f"x must be 2-D or 3-D float16/bfloat16/float32, got "
+                    f"{x.dim()}-D {x.dtype}")
+    experts = x.shape[-1]
+    if not 1 <= k <= experts:
+        raise error(TILING_ERROR, f"k {k} must be in [1, expert num {experts}]")
+    if finished is not None:
+        raise NotImplementedError("npu_moe_gating_top_k_softmax: finished is not simulated")
+    probs = torch.softmax(x.float(), dim=-1)
+    y, expert_idx = probs.topk(k, dim=-1)
+    rows = x.shape[:-1].numel()
+    # row_idx[i][j] = j * rows + i: the order npu_moe_init_routing (v1) expects.
+    row_idx = torch.arange(rows * k, dtype=torch.int32).view(k, rows).t().reshape(
+        *x.shape[:-1], k)
+    return y.to(x.dtype), expert_idx.to(torch.int32), row_idx.contiguous()
+
+
+def _routing_impl(x, expert_idx, *, scale=None, offset=None, active_num=-1, expert_capacity=-1,
+                  expert_num=-1, drop_pad_mode=0, expert_tokens_num_type=0,
+                  expert_tokens_num_flag=False, quant_mode=0, active_expert_range=(),
+                  row_idx_type=0):
+    error = _error("npu_moe_init_routing_v2")
+    if x.dim() != 2 or x.dtype not in FLOATS:
+        raise error(PARAM_INVALID, f"x must be 2-D float16/bfloat16/float32, got {x.dim()}-D "
+                    f"{x.dtype}")
+    if expert_idx.dim() != 2 or expert_idx.dtype != torch.int32 or \
+            expert_idx.shape[0] != x.shape[0]:
+        raise error(PARAM_INVALID, f"expert_idx must be int32 (NUM_ROWS={x.shape[0]}, K), got "
+                    f"{expert_idx.dtype} {list(expert_idx.shape)}")
+    if quant_mode != -1 or scale is not None or offset is not None:
+        raise NotImplementedError("npu_moe_init_routing_v2: quantization is not simulated "
+                                  "(quant_mode=-1, no scale or offset)")
+    if drop_pad_mode != 0 or expert_capacity not in (-1, 0):
+        raise NotImplementedError("npu_moe_init_routing_v2: only dropless routing "
+                                  "(drop_pad_mode=0) is simulated")
+    if expert_tokens_num_type not in (0, 1) or row_idx_type != 0:
+        raise NotImplementedError("npu_moe_init_routing_v2: expert_tokens_num_type 0 (cumsum) "
+                                  "or 1 (count) and row_idx_type 0 are simulated")
+    if expert_num <= 0:
+        raise error(TILING_ERROR, f"expert_num must be positive, got {expert_num}")
+    start, end = active_expert_range if active_expert_range else (0, expert_num)
+    if not 0 <= start < end <= expert_num:
+        raise error(TILING_ERROR, f"active_expert_range [{start}, {end}) must lie in "
+                    f"[0, expert_num {expert_num})")
+    flat = expert_idx.reshape(-1).long()
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= expert_num):
+        raise error(TILING_ERROR, f"expert_idx holds ids outside [0, {expert_num})")
+    rows_k = flat.numel()
+    active = rows_k if active_num < 0 else min(active_num, rows_k)
+    order = torch.sort(flat, stable=True).indices  # token-major positions, by expert
+    kept = order[(flat[order] >= start) & (flat[order] < end)][:active]
+    k = expert_idx.shape[1]
+    expanded_x = torch.full((rows_k, x.shape[1]), float("nan"), dtype=x.dtype)
+    expanded_x[:kept.numel()] = x[kept // k]
+    expanded_row_idx = torch.full((rows_k,), -1, dtype=torch.int32)
+    expanded_row_idx[kept] = torch.arange(kept.numel(), dtype=torch.int32)
+    counts = torch.bincount(flat[kept] - start, minlength=end - start).to(torch.int64)
+    tokens = counts if expert_tokens_num_type == 1 else counts.cumsum(0)
+    if not expert_tokens_num_flag:
+        tokens = torch.empty(0, dtype=torch.int64)
+    expanded_scale = torch.full((rows_k,), float("nan"), dtype=torch.float32)  # undefined
+    return expanded_x, expanded_row_idx, tokens, expanded_scale
+
+
+def _grouped_matmul_impl(x, weight, *, bias=None, group_list=None, split_item=0,
+                         group_type=None, group_list_type=0):
+    error = _error("npu_grouped_matmul")
+    if len(x) != 1 or len(weight) != 1 or split_item not in (2, 3) or group_type != 0:
+        raise NotImplementedError("npu_grouped_matmul: one x split along M (group_type=0), "
+                                  "one 3-D weight and one output (split_item 2 or 3) are "
+                                  "simulated, as upstream's MoE calls it")
+    (h,), (w,) = x, weight
+    if h.dim() != 2 or w.dim() != 3 or h.dtype not in GMM_DTYPES or w.dtype != h.dtype:
+        raise error(PARAM_INVALID, f"x must be 2-D and weight 3-D (E, K, N), float16 or "
+                    f"bfloat16 alike; got {h.dim()}-D {h.dtype} and {w.dim()}-D {w.dtype}")
+    if w.shape[1] != h.shape[1]:
+        raise error(TILING_ERROR, f"x's K {h.shape[1]} differs from weight's {w.shape[1]}")
+    if group_list is None or group_list.dim() != 1 or group_list.dtype != torch.int64 or \
+            group_list.shape[0] != w.shape[0]:
+        raise error(PARAM_INVALID, f"group_list must be a 1-D int64 tensor of {w.shape[0]} "
+                    "groups (one per expert)")
+    if group_list_type not in (0, 1):
+        raise error(PARAM_INVALID, f"group_list_type must be 0 (cumsum) or 1 (count), got "
+                    f"{group_list_type}")
+    counts = group_list if group_list_type == 1 else torch.diff(
+        group_list, prepend=group_list.new_zeros(1))
+    sizes = [int(n) for n in counts]  # the kernel reads its device input (not a host copy)
+    if min(sizes, default=0) < 0 or sum(sizes) > h.shape[0]:
+        raise error(TILING_ERROR, f"group_list {sizes} must be non-decreasing cumsums or "
+                    f"non-negative counts within x's {h.shape[0]} rows")
+    if bias is not None:
+        (b,) = bias
+        if tuple(b.shape) != (w.shape[0], w.shape[2]):
+            raise error(PARAM_INVALID, f"bias must be (E, N) = {(w.shape[0], w.shape[2])}")
+    out = torch.full((h.shape[0], w.shape[2]), float("nan"), dtype=h.dtype)
+    start = 0
+    for e, n in enumerate(sizes):
+        if n:
+            y = h[start:start + n].float() @ w[e].float()
+            if bias is not None:
+                y = y + bias[0][e].float()
+            out[start:start + n] = y.to(h.dtype)
+        start += n
+    return [out]
+
+
+def _unpermute_impl(permuted_tokens, sorted_indices, probs=None, padded_mode=False,
+                    restore_shape=None):
+    error = _error("npu_moe_token_unpermute")
+    if padded_mode:
+        raise error(PARAM_INVALID, "current version only support padded_mode is false")
+    if permuted_tokens.dim() != 2 or permuted_tokens.dtype not in FLOATS:
+        raise error(PARAM_INVALID, "permuted_tokens must be 2-D float16/bfloat16/float32")
+    if sorted_indices.dim() != 1 or sorted_indices.dtype != torch.int32 or \
+            sorted_indices.shape[0] != permuted_tokens.shape[0]:
+        raise error(PARAM_INVALID, f"sorted_indices must be 1-D int32 of "
+                    f"{permuted_tokens.shape[0]} entries")
+    k = 1 if probs is None else probs.shape[1]
+    if probs is not None and (probs.dim() != 2 or probs.numel() != sorted_indices.shape[0]):
+        raise error(PARAM_INVALID, f"probs must be (tokens, topk) with tokens x topk = "
+                    f"{sorted_indices.shape[0]}")
+    rows = sorted_indices.long()
+    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= permuted_tokens.shape[0]):
+        raise error(TILING_ERROR, "sorted_indices hold rows outside permuted_tokens")
+    gathered = permuted_tokens[rows].float().view(-1, k, permuted_tokens.shape[1])
+    if probs is not None:
+        gathered = gathered * probs.float().unsqueeze(-1)
+    return gathered.sum(1).to(permuted_tokens.dtype)
+
+
+_lib.impl("npu_moe_gating_top_k_softmax", _gating_impl, "CPU")
+_lib.impl("npu_moe_init_routing_v2", _routing_impl, "CPU")
+_lib.impl("npu_grouped_matmul", _grouped_matmul_impl, "CPU")
+_lib.impl("npu_moe_token_unpermute", _unpermute_impl, "CPU")
