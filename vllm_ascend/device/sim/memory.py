@@ -87,13 +87,6 @@ def allocated() -> int:
     return current
 
 
-def peak() -> int:
-    allocated()
-    if _ACCOUNT.synced:
-        _ACCOUNT.measuring = False  # read after the work synchronised: the measurement ends
-    return _ACCOUNT.peak
-
-
 def reset_peak() -> None:
     _ACCOUNT.peak = 0
     _ACCOUNT.peak = allocated()
@@ -113,10 +106,6 @@ def outside_torch() -> int:
     return sum(_ACCOUNT.outside.values())
 
 
-def used() -> int:
-    return allocated() + outside_torch()
-
-
 def hccl_buffer_bytes() -> int:
     value = os.environ.get(HCCL_BUFFSIZE_ENV, str(DEFAULT_HCCL_BUFFSIZE_MB))
     if not value.isdigit() or int(value) < 1:
@@ -133,11 +122,16 @@ def release(holder: str) -> None:
     _ACCOUNT.outside.pop(holder, None)
 
 
-def check_capacity(total: int, device: int) -> None:
-    """Raise the chip's out-of-memory error if the device holds more than it has."""
-    torch_bytes, outside = peak(), outside_torch()
+def check_capacity(total: int, device: int) -> tuple[int, int]:
+    """One look at the device's memory for a memory query: (torch's allocation now, its peak),
+    after raising the chip's out-of-memory error if the device holds more than it has. A look
+    after a synchronisation ends a peak measurement."""
+    current = allocated()
+    if _ACCOUNT.synced:
+        _ACCOUNT.measuring = False
+    torch_bytes, outside = _ACCOUNT.peak, outside_torch()
     if torch_bytes + outside <= total:
-        return
+        return current, torch_bytes
     holders = ", ".join(f"{k} {v / GiB:.2f} GiB" for k, v in sorted(_ACCOUNT.outside.items()))
     _ACCOUNT.peak = 0  # reported once per excess
     raise torch.OutOfMemoryError(

@@ -702,29 +702,24 @@ def total_memory() -> int:
     return psutil.virtual_memory().total // 4
 
 
-def _check_memory(what: str) -> int:
-    """The device this process opened, after the out-of-memory check: the simulator cannot see
-    allocations, so an excess is found when memory is next asked about."""
-    device = _opened(what)
-    _memory.check_capacity(total_memory(), device)
-    return device
+def _check_memory(what: str) -> tuple[int, int]:
+    """(torch's allocation now, its peak), after the out-of-memory check: the simulator cannot
+    see allocations, so an excess is found when memory is next asked about."""
+    return _memory.check_capacity(total_memory(), _opened(what))
 
 
 # torch's allocator (sim/memory.py: the heap this process gained since it opened its device) and
 # the whole device (that, plus what is held outside torch's allocator).
 def memory_allocated(device=None) -> int:
-    _check_memory("memory_allocated")
-    return _memory.allocated()
+    return _check_memory("memory_allocated")[0]
 
 
 def memory_reserved(device=None) -> int:
-    _check_memory("memory_reserved")
-    return _memory.allocated()  # no cache: the heap returns what torch frees
+    return _check_memory("memory_reserved")[0]  # no cache: the heap returns what torch frees
 
 
 def max_memory_allocated(device=None) -> int:
-    _check_memory("max_memory_allocated")
-    return _memory.peak()
+    return _check_memory("max_memory_allocated")[1]
 
 
 def reset_peak_memory_stats(device=None) -> None:
@@ -733,8 +728,7 @@ def reset_peak_memory_stats(device=None) -> None:
 
 
 def memory_stats(device=None) -> dict:
-    _check_memory("memory_stats")
-    current, peak = _memory.allocated(), _memory.peak()
+    current, peak = _check_memory("memory_stats")
     return {"allocated_bytes.all.current": current, "allocated_bytes.all.peak": peak,
             "reserved_bytes.all.current": current, "reserved_bytes.all.peak": peak}
 
@@ -744,6 +738,6 @@ def empty_cache() -> None:
 
 
 def mem_get_info(device=None) -> tuple[int, int]:
-    _check_memory("mem_get_info")
+    current, _ = _check_memory("mem_get_info")
     total = total_memory()
-    return max(total - _memory.used(), 0), total
+    return max(total - current - _memory.outside_torch(), 0), total
