@@ -460,7 +460,27 @@ def _collective_rank(rank, port, results):
         functional = "captured"
     except GraphCaptureError as e:
         functional = str(e)
-    results[rank] = (out.tolist(), streams, npu.streams_in_use() - streams_before, functional)
+    after_reset = npu.streams_in_use() - streams_before
+    # An MoE layer's data-parallel round trip: all-gather, then the communicator's
+    # reduce-scatter (gloo's own would copy its capture-time scratch back at every replay).
+    from types import SimpleNamespace
+
+    from vllm_ascend.device.sim.comm import SimCommunicator
+
+    comm = SimpleNamespace(world_size=2, rank_in_group=rank, device_group=dist.group.WORLD)
+    tokens = torch.full((2, 3), float(rank + 1))
+
+    def gather_scatter(t):
+        gathered = torch.empty(4, 3)
+        dist.all_gather_into_tensor(gathered, t * 1)
+        return SimCommunicator.reduce_scatter(comm, gathered * 10, 0)
+
+    g2, mine = capture(gather_scatter, tokens)
+    tokens.fill_(rank + 5)
+    g2.replay()
+    npu.synchronize()
+    results[rank] = (out.tolist(), streams, after_reset, functional, mine.tolist())
+    g2.reset()
     dist.destroy_process_group()
 
 
@@ -476,7 +496,9 @@ def test_a_captured_all_reduce_is_replayed_and_its_group_costs_a_stream():
     results = mp.Manager().dict()
     mp.spawn(_collective_rank, args=(port, results), nprocs=2)
     for rank in (0, 1):
-        out, streams, after_reset, functional = results[rank]
+        out, streams, after_reset, functional, mine = results[rank]
         assert out == [10.0 * (2 + 3) + 1] * 4  # reduced at replay, not the capture's values
+        # both ranks' replayed tokens (5 and 6) gathered, x 10, summed over the two ranks
+        assert mine == [[2 * 10.0 * (5 + rank)] * 3] * 2
         assert streams == 2 and after_reset == 0  # the graph's stream, and its group's
         assert "functional collectives" in functional and "torch.distributed" in functional
