@@ -4,6 +4,7 @@ measured side by side in one run.
     bash scripts/run_tests.sh --co -q >/dev/null   # (any README command sets up the venv)
     python benchmarks/decode_throughput.py --models tiny smollm2 \
         --modes gemm hf eager PIECEWISE FULL FULL_AND_PIECEWISE --batches 1 8
+    python benchmarks/decode_throughput.py --models qwen3-moe qwen2-moe   # mixture of experts
 
 Decode time excludes prefill: each batch is generated twice, for 1 and for 1 + N new tokens
 (greedy, EOS ignored), and ms/step is the difference over N. One engine (or HF model) at a time,
@@ -99,7 +100,8 @@ def engine_args(mode: str) -> dict:
 def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=["tiny", "smollm2"])
+    parser.add_argument("--models", nargs="+", default=["tiny", "smollm2"],
+                        choices=["tiny", "smollm2", "qwen3-moe", "qwen2-moe"])
     parser.add_argument("--modes", nargs="+",
                         default=["gemm", "hf", "eager", "FULL_AND_PIECEWISE"],
                         help="'hf' (transformers generate), 'gemm' (the step's matrix "
@@ -112,7 +114,8 @@ def main():
 
     from scripts.models import smollm2_dir, tiny_model_dir
 
-    paths = {"tiny": tiny_model_dir("llama"), "smollm2": str(smollm2_dir())}
+    paths = {"tiny": tiny_model_dir("llama"), "smollm2": str(smollm2_dir()),
+             "qwen3-moe": tiny_model_dir("qwen3_moe"), "qwen2-moe": tiny_model_dir("qwen2_moe")}
     results = {}
     for model in args.models:
         for classes in args.classes:
@@ -146,14 +149,14 @@ def main():
                 del llm, generate
                 gc.collect()
 
-    print(f"\n{'model':8} {'classes':9} {'mode':20} {'batch':>5} {'ms/step':>9} {'tok/s':>9} "
+    print(f"\n{'model':9} {'classes':9} {'mode':20} {'batch':>5} {'ms/step':>9} {'tok/s':>9} "
           f"{'vs eager':>9} {'vs HF':>7} {'vs upstream':>11}")
     for (model, classes, mode, batch), ms in results.items():
         def ratio(key):
             base = results.get(key)
             return f"{base / ms:.2f}x" if base and key != (model, classes, mode, batch) else "-"
         up = ratio((model, "upstream", mode, batch)) if classes != "upstream" else "-"
-        print(f"{model:8} {classes:9} {mode:20} {batch:5d} {ms:9.2f} {1000 * batch / ms:9.1f} "
+        print(f"{model:9} {classes:9} {mode:20} {batch:5d} {ms:9.2f} {1000 * batch / ms:9.1f} "
               f"{ratio((model, classes, 'eager', batch)):>9} "
               f"{ratio((model, args.classes[0], 'hf', batch)):>7} {up:>11}")
 

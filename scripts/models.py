@@ -13,6 +13,15 @@ TINY_FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),
+    # Mixture of experts: 8 experts, top-2. Qwen3-MoE renormalises the top-k probabilities;
+    # Qwen2-MoE does not, and adds a shared expert behind a sigmoid gate.
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
+        "head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+        "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {
+        "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+        "shared_expert_intermediate_size": 128, "norm_topk_prob": False,
+        "decoder_sparse_step": 1, "mlp_only_layers": []}),
 }
 
 
@@ -28,8 +37,9 @@ def tiny_model_dir(family: str, dtype: str = "float32") -> str:
     import transformers
 
     config_cls, model_cls, extra = TINY_FAMILIES[family]
-    path = CACHE / "models" / (f"tiny-{family}-v1" if dtype == "float32" else
-                               f"tiny-{family}-{dtype}-v1")
+    version = "v3" if "moe" in family else "v1"
+    path = CACHE / "models" / (f"tiny-{family}-{version}" if dtype == "float32" else
+                               f"tiny-{family}-{dtype}-{version}")
     if (path / "config.json").exists():
         return str(path)
     tok = transformers.AutoTokenizer.from_pretrained(_tokenizer_dir())
@@ -46,6 +56,13 @@ def tiny_model_dir(family: str, dtype: str = "float32") -> str:
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0, 0.08)
+        # MoE routers with clear margins (router logits with a spread of about 11): a token's
+        # top expert dominates, so when a rounding swaps its second and third, which tie now
+        # and then, the output barely moves; with flat routers such a swap moves the logprobs
+        # by 0.3 and the comparison with HF fails for a reason that is not a bug.
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0, 1.0)
     model.to(getattr(torch, dtype))
     tmp = path.with_suffix(".tmp")
     model.save_pretrained(tmp)

@@ -97,6 +97,8 @@ class NPUPlatform(Platform):
     def import_kernels(cls) -> None:
         # No vllm._C here: every kernel the plugin needs comes from device/.
         import vllm_ascend.ops  # noqa: F401  (registers the CustomOp overrides)
+        # The MoE override registers when the worker module loads (worker.py): vLLM's fused_moe
+        # package imports vllm._custom_ops, whose import calls this method.
 
     @classmethod
     def register_triton_kernel_overrides(cls) -> None:
@@ -175,21 +177,6 @@ class NPUPlatform(Platform):
                 "Pass dtype='bfloat16' (--dtype bfloat16), or leave it 'auto', which runs a "
                 "float32 checkpoint in bfloat16.")
         parallel_config = vllm_config.parallel_config
-        if model_config is not None and model_config.is_moe:
-            from vllm_ascend.models import FAMILIES
-
-            # vLLM's fused-MoE layer has no kernel for this platform (it fails in the first
-            # forward), and data parallelism would add vLLM's lockstep MoE path (DP-synchronised
-            # padding, dummy batches on idle ranks), which needs that layer.
-            raise ValueError(
-                f"{model_config.architecture} is a mixture-of-experts model "
-                f"({model_config.get_num_experts()} experts), which vllm-ascend does not support "
-                "yet: it has no Ascend fused-MoE kernel"
-                + (f", and so no data parallelism for MoE (data_parallel_size="
-                   f"{parallel_config.data_parallel_size})"
-                   if parallel_config.data_parallel_size > 1 else "")
-                + ". Serve a dense model; the supported families are "
-                + ", ".join(sorted(FAMILIES)) + " (docs/adding_a_model.md).")
         # The engine core cleans up the device at shutdown even when its workers are other
         # processes (tensor parallelism): it needs the device's process set-up too.
         device.current.prepare_process()

@@ -4,11 +4,13 @@ its steps call for (the collectives inside them included), and each graph holds 
 communication groups cost. Data parallelism: test_serve.py.
 
 Two engines (each spawns two workers, ~20 s) cover every kind of graph: TP=2 in FULL replays
-FULL graphs for decode, prefill and mixed batches, with an all-reduce per layer inside them; PP=2
-in FULL_AND_PIECEWISE replays FULL decode graphs and, for a prefill that fits the largest size,
-PIECEWISE pieces, on both stages. Prefills above the largest size run eagerly (NONE) in both.
-FULL_DECODE_ONLY captures the same FULL decode graphs, PIECEWISE the same pieces;
-`scripts/check_parallel.py` runs all four modes at TP=2 or more by hand."""
+FULL graphs for decode, prefill and mixed batches, with an all-reduce per layer inside them, on
+a mixture-of-experts model with expert parallelism (each rank computes its half of the experts,
+the all-reduce sums them); PP=2 in FULL_AND_PIECEWISE replays FULL decode graphs and, for a
+prefill that fits the largest size, PIECEWISE pieces, on both stages (the tiny Llama). Prefills
+above the largest size run eagerly (NONE) in both. FULL_DECODE_ONLY captures the same FULL decode
+graphs, PIECEWISE the same pieces; `scripts/check_parallel.py` runs all four modes at TP=2 or
+more by hand, with or without expert parallelism."""
 
 import re
 
@@ -18,8 +20,15 @@ from tests.e2e.conftest import (PROMPTS, check_logprobs_close, engine, expected_
                                 graph_counts_per_rank, hf_greedy, MAX_TOKENS, model_path,
                                 platform_log, replays, vllm_greedy)
 
-LAYOUTS = {"TP=2": {"tensor_parallel_size": 2}, "PP=2": {"pipeline_parallel_size": 2}}
-CASES = [("TP=2", "FULL"), ("PP=2", "FULL_AND_PIECEWISE")]
+# TP=2 on a mixture-of-experts model with expert parallelism: attention and the shared expert
+# split over the ranks, the routed experts shared out (4 of 8 each), one all-reduce for both.
+# In float16 (docs/moe.md#tests-and-figures): in bfloat16 a rounding swaps two of the tiny
+# model's experts whose router scores tie (a gap of 0.003 at one token of these prompts), and the
+# output then differs from HF's for a reason that is not a bug.
+LAYOUTS = {"TP=2 EP": ("qwen2_moe", {"tensor_parallel_size": 2, "dtype": "float16",
+                                     "enable_expert_parallel": True}),
+           "PP=2": ("llama", {"pipeline_parallel_size": 2})}
+CASES = [("TP=2 EP", "FULL"), ("PP=2", "FULL_AND_PIECEWISE")]
 CAPTURE_SIZES = [1, 2, 4]
 SHORT = "Hi there"  # 2 tokens: a prefill within the largest capture size
 
@@ -27,10 +36,10 @@ SHORT = "Hi there"  # 2 tokens: a prefill within the largest capture size
 @pytest.fixture(scope="module", params=CASES, ids=lambda p: f"{p[0]}-{p[1]}")
 def parallel_llm(request):
     layout, mode = request.param
-    with engine(model_path("llama"), distributed_executor_backend="mp", max_num_seqs=4,
+    family, args = LAYOUTS[layout]
+    with engine(model_path(family), distributed_executor_backend="mp", max_num_seqs=4,
                 compilation_config={"cudagraph_mode": mode,
-                                    "cudagraph_capture_sizes": CAPTURE_SIZES},
-                **LAYOUTS[layout]) as llm:
+                                    "cudagraph_capture_sizes": CAPTURE_SIZES}, **args) as llm:
         yield layout, mode, llm
 
 
@@ -45,12 +54,13 @@ def rank_layers(llm) -> list[int]:
 
 def test_greedy_output_equals_tp1_with_graph_replays_on_every_rank(parallel_llm):
     layout, mode, llm = parallel_llm
-    n = MAX_TOKENS
+    n, family = MAX_TOKENS, LAYOUTS[layout][0]
     with replays(llm) as made:
         outs = vllm_greedy(llm, PROMPTS, n) + vllm_greedy(llm, [SHORT], n)
+    dtype = LAYOUTS[layout][1].get("dtype", "bfloat16")
     for prompt, out in zip(PROMPTS + [SHORT], outs):
-        check_logprobs_close(hf_greedy(model_path("llama"), prompt, n), out,
-                             f"{layout} {mode} {prompt!r}")
+        check_logprobs_close(hf_greedy(model_path(family), prompt, n), out,
+                             f"{layout} {mode} {prompt!r}", dtype=dtype)
     assert len(made["ranks"]) == 2
     for rank, (made_here, layers) in enumerate(zip(made["ranks"], rank_layers(llm))):
         assert len(made_here["steps"]) >= 2 * n, (rank, made_here)  # a step per token, at least
@@ -64,35 +74,25 @@ def test_greedy_output_equals_tp1_with_graph_replays_on_every_rank(parallel_llm)
             assert (2, 1) in made_here["steps"], (rank, made_here)
 
 
+def test_expert_parallel_ranks_hold_one_half_of_the_experts_each(parallel_llm):
+    layout, mode, llm = parallel_llm
+    if layout != "TP=2 EP":
+        pytest.skip("no expert parallelism in this layout")
+    ranges = llm.collective_rpc(lambda worker: sorted({
+        m.ascend_expert_range for m in worker.model_runner.get_model().modules()
+        if hasattr(m, "ascend_expert_range")}))
+    assert ranges == [[(0, 4)], [(4, 8)]], ranges  # 8 experts, every layer alike
+
+
 def test_each_graph_holds_a_stream_per_communication_group_it_captured(parallel_llm):
     layout, mode, llm = parallel_llm
-    # TP: the graph's own stream and its TP group's (an all-reduce per layer is captured).
+    # TP: the graph's own stream and its TP group's (an all-reduce per layer is captured; the
+    # experts' partial sums ride on it too: expert parallelism over TP adds no collective).
     # PP: the graph's own only (a stage sends and receives between steps, outside graphs).
-    per_graph = 2 if layout == "TP=2" else 1
+    per_graph = 2 if layout.startswith("TP") else 1
     for rank, counts in enumerate(graph_counts_per_rank(llm)):
         graphs = sum(counts["captured"].values())
         assert graphs > 0 and counts["streams_in_use"] == per_graph * graphs, (rank, counts)
-
-
-@pytest.mark.parametrize("data_parallel_size", [1, 2])
-def test_a_mixture_of_experts_model_is_refused_at_start_up(tmp_path, data_parallel_size):
-    import transformers
-    from vllm.engine.arg_utils import EngineArgs
-
-    transformers.Qwen3MoeConfig(
-        architectures=["Qwen3MoeForCausalLM"], hidden_size=64, intermediate_size=128,
-        moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=32, num_experts=4, num_experts_per_tok=2,
-        vocab_size=49152).save_pretrained(tmp_path)
-    data_parallel = (r", and so no data parallelism for MoE \(data_parallel_size=2\)"
-                     if data_parallel_size > 1 else "")
-    with pytest.raises(ValueError, match=(
-            r"Qwen3MoeForCausalLM is a mixture-of-experts model \(4 experts\), which "
-            r"vllm-ascend does not support yet: it has no Ascend fused-MoE kernel"
-            + data_parallel + r"\. Serve a dense model; the supported families are "
-            r"LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM")):
-        EngineArgs(str(tmp_path), tokenizer=model_path("llama"), max_model_len=256,
-                   data_parallel_size=data_parallel_size).create_engine_config()
 
 
 def test_speculative_decoding_with_pipeline_parallelism_is_refused_at_start_up():

@@ -1,9 +1,14 @@
-"""`vllm serve` as users run it at scale, on 127.0.0.1: the tiny Llama with data parallelism over
-tensor parallelism (DP=2 x TP=2, four workers), in the default graph mode. The OpenAI endpoints
+"""`vllm serve` as users run it at scale, on 127.0.0.1: a tiny Qwen3-MoE with data parallelism
+over tensor parallelism and expert parallelism over both (DP=2 x TP=2, EP=4: four workers, two
+experts each), in the default graph mode. vLLM runs MoE data-parallel engines in lockstep: every
+step, both agree on one graph mode and one padded token count, and an engine without requests
+runs a dummy batch, since every MoE layer all-gathers all ranks' tokens. The OpenAI endpoints
 answer as HF transformers (TP=1) does, under the logprob-closeness rule, with graphs replayed;
 the start-up log says what a user needs to know; 16 concurrent requests spread over both DP
-engines; a load pinned to one DP rank finishes while the other idles; `vllm bench serve`
-measures the server. (SmolLM2's real weights through the engine: the demo in
+engines; a load pinned to one DP rank finishes while the other idles; a long prefill on one rank
+beside a short one on the other, and a stream aborted mid-way, leave both serving; `vllm bench
+serve` measures the server. Every request has a timeout: a rank hung in a collective fails the
+test, not the suite. (Dense models: test_parallel.py; SmolLM2's real weights: the demo in
 test_fresh_machine.py, and test_graph_modes.py.)"""
 
 import collections
@@ -17,7 +22,9 @@ from tests.e2e.conftest import (TOPK, check_logprobs_close, hf_greedy, model_pat
                                 served_completion, served_graph_counts, served_rpc, token_id,
                                 vllm_server)
 
-NAME = "tiny-llama"
+FAMILY = "qwen3_moe"
+DTYPE = "float16"
+NAME = "tiny-qwen3-moe"
 LAYERS = 2  # the tiny models'
 TOKENS = 16
 MAX_NUM_SEQS = 16
@@ -26,8 +33,10 @@ RANK_0 = {"X-data-parallel-rank": "0"}
 
 @pytest.fixture(scope="module")
 def server():
-    with vllm_server(model_path("llama"), NAME, "--tensor-parallel-size", "2",
-                     "--data-parallel-size", "2", "--max-model-len", "512",
+    with vllm_server(model_path(FAMILY), NAME, "--tensor-parallel-size", "2",
+                     "--data-parallel-size", "2", "--enable-expert-parallel",
+                     "--dtype", DTYPE,  # MoE closeness: see docs/moe.md#tests-and-figures
+                     "--max-model-len", "512",
                      "--max-num-seqs", str(MAX_NUM_SEQS), start_s=420) as served:
         yield served
 
@@ -36,7 +45,8 @@ def answers_as_hf(base, prompts, headers=None):
     with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
         outs = list(pool.map(lambda p: served_completion(base, NAME, p, TOKENS, headers), prompts))
     for prompt, out in zip(prompts, outs):
-        check_logprobs_close(hf_greedy(model_path("llama"), prompt, TOKENS), out, repr(prompt))
+        check_logprobs_close(hf_greedy(model_path(FAMILY), prompt, TOKENS), out, repr(prompt),
+                             dtype=DTYPE)
 
 
 def finished_per_engine(base) -> dict[str, float]:
@@ -77,8 +87,8 @@ def test_four_workers_hold_four_devices_and_no_other_process_opens_one(server):
 
 def test_start_up_log_says_graph_mode_kept_sizes_graphs_streams_and_memory(server):
     """One line each, with figures that agree with each other and with the workers' counts; the
-    memory is VLLM_ASCEND_SIM_MEMORY_GB (2, set by the fixture); dtype auto on a float32
-    checkpoint is bfloat16."""
+    memory is VLLM_ASCEND_SIM_MEMORY_GB (2, set by the fixture); the dtype is the one served; each
+    worker says where its experts are and how tokens reach them."""
     base, log = server
     assert re.search(r"vllm-ascend: graph mode FULL_AND_PIECEWISE \(configured "
                      r"FULL_AND_PIECEWISE\): ", log), log[-3000:]
@@ -86,8 +96,9 @@ def test_start_up_log_says_graph_mode_kept_sizes_graphs_streams_and_memory(serve
                      r"fit; (\d+) streams per size, (\d+) of 1800 usable streams\)", log)
     assert kept, log[-3000:]
     sizes = [int(x) for x in kept.group(1).split(",")]
-    # (pieces + 1 FULL graph) x (the graph's own stream + its TP group's)
-    assert int(kept.group(2)) == (LAYERS + 1 + 1) * 2
+    # (pieces + 1 FULL graph) x (the graph's own stream + its TP group's + one for the MoE
+    # layers' all-gather and reduce-scatter): the plan's bound
+    assert int(kept.group(2)) == (LAYERS + 1 + 1) * 3
     assert int(kept.group(3)) == int(kept.group(2)) * len(sizes)
     summaries = re.findall(r"vllm-ascend: graph mode FULL_AND_PIECEWISE on TP rank (\d) of 2: "
                            r"captured (\d+) graphs \(PIECEWISE sizes \[([\d, ]+)\]; FULL sizes "
@@ -100,31 +111,43 @@ def test_start_up_log_says_graph_mode_kept_sizes_graphs_streams_and_memory(serve
         assert [int(x) for x in piecewise.split(",")] == sizes
         assert full_sizes == [s for s in sizes if s <= MAX_NUM_SEQS]  # decode: <= max_num_seqs
         assert int(graphs) == (LAYERS + 1) * len(sizes) + len(full_sizes)
-        assert int(streams) == 2 * int(graphs)
+        # The first piece (the embedding's TP all-reduce, no MoE layer) holds 2 streams; every
+        # other piece and each FULL graph holds 3 (one MoE layer or more: the EP group too).
+        assert int(streams) == (2 + 3 * LAYERS) * len(sizes) + 3 * len(full_sizes)
     for counts in served_graph_counts(base):  # DP engine 0's two workers
         assert sum(counts["captured"].values()) == int(summaries[0][1])
-    # Outside torch: each worker's TP communicator, 2 x HCCL_BUFFSIZE (16 MB; the DP engines
-    # coordinate over the host); all of it, the weights, the activation peak and the KV cache
-    # fit the device.
+    # Outside torch: each worker's TP, DP and EP communicators, 2 x HCCL_BUFFSIZE (16 MB) each;
+    # all of it, the weights, the activation peak and the KV cache fit the device.
     memory = re.findall(r"vllm-ascend: device sim \(.*\), memory 2\.00 GiB: weights (0\.0\d) GiB, "
-                        r"activation peak ([\d.]+) GiB, outside torch 0\.03 GiB, KV cache \d+ "
+                        r"activation peak ([\d.]+) GiB, outside torch 0\.09 GiB, KV cache \d+ "
                         r"blocks x 128 tokens \(([\d.]+) GiB\)", log)
     assert len(memory) == 4, log[-3000:]
     for weights, peak, kv_cache in memory:
         assert 1.5 < float(kv_cache) and \
-            float(weights) + float(peak) + 0.03125 + float(kv_cache) <= 2.0, memory
-    assert "dtype=torch.bfloat16" in log
+            float(weights) + float(peak) + 3 * 0.03125 + float(kv_cache) <= 2.0, memory
+    # Each worker: its 2 of the 8 experts (EP over DP x TP), and vLLM's sequence-parallel MoE
+    # (DP x TP with EP): each TP rank brings half of its DP rank's tokens to an EP all-gather.
+    moe = re.findall(r"vllm-ascend: MoE layers: top-2 of experts (\d-\d) of 8 on EP rank (\d) of "
+                     r"4; tokens reach them by all-gather and reduce-scatter over the EP group "
+                     r"\(4 ranks, each TP rank bringing 1/2 of its DP rank's tokens\), in every "
+                     r"phase and graph mode \(EP over 4 ranks\)", log)
+    assert sorted(moe) == [("0-1", "0"), ("2-3", "1"), ("4-5", "2"), ("6-7", "3")], moe
+    assert f"dtype=torch.{DTYPE}" in log
 
 
 def test_completions_answer_as_hf_with_a_piecewise_prefill_and_a_full_graph_per_decode(server):
     base, _ = server
     before = [collections.Counter(c["replayed"]) for c in served_graph_counts(base)]
     prompt = "The capital of France is"  # 6 tokens: a PIECEWISE prefill (padded to 8)
-    check_logprobs_close(hf_greedy(model_path("llama"), prompt, TOKENS),
-                         served_completion(base, NAME, prompt, TOKENS, RANK_0), "completions")
+    check_logprobs_close(hf_greedy(model_path(FAMILY), prompt, TOKENS),
+                         served_completion(base, NAME, prompt, TOKENS, RANK_0), "completions", dtype=DTYPE)
     after = [collections.Counter(c["replayed"]) for c in served_graph_counts(base)]
     for rank, (was, now) in enumerate(zip(before, after)):  # both TP ranks of DP engine 0
-        assert now - was == {"PIECEWISE": LAYERS + 1, "FULL": TOKENS - 1}, (rank, now - was)
+        # A FULL graph per decode step, and one or two more: in lockstep an engine runs a dummy
+        # batch while its wave of steps winds down with the other engine.
+        made = now - was
+        assert made["PIECEWISE"] == LAYERS + 1 and \
+            TOKENS - 1 <= made["FULL"] <= TOKENS + 1, (rank, made)
 
 
 def test_chat_completions_answer_as_hf(server):
@@ -140,10 +163,11 @@ def test_chat_completions_answer_as_hf(server):
     content = r.json()["choices"][0]["logprobs"]["content"]
     answer = ([token_id(c["token"]) for c in content],
               [{token_id(t["token"]): t["logprob"] for t in c["top_logprobs"]} for c in content])
-    tok = transformers.AutoTokenizer.from_pretrained(model_path("llama"))
+    tok = transformers.AutoTokenizer.from_pretrained(model_path(FAMILY))
     prompt_ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     prompt_ids = getattr(prompt_ids, "input_ids", prompt_ids)
-    check_logprobs_close(hf_greedy(model_path("llama"), tuple(prompt_ids), TOKENS), answer, "chat")
+    check_logprobs_close(hf_greedy(model_path(FAMILY), tuple(prompt_ids), TOKENS), answer, "chat",
+                         dtype=DTYPE)
 
 
 def test_bad_request_gets_an_error_and_the_server_keeps_serving(server):
@@ -186,9 +210,47 @@ def test_vllm_bench_serve_measures_the_server(server):
     BenchmarkServingSubcommand.add_cli_args(parser)
     args = parser.parse_args([
         "--backend", "vllm", "--base-url", base, "--model", NAME, "--tokenizer",
-        model_path("llama"), "--dataset-name", "random", "--random-input-len", "16",
+        model_path(FAMILY), "--dataset-name", "random", "--random-input-len", "16",
         "--random-output-len", "8", "--num-prompts", "8", "--seed", "0", "--ignore-eos",
         "--disable-tqdm"])
     result = main(args)
     assert (result["completed"], result["failed"], result["total_output_tokens"]) == (8, 0, 64)
     assert result["output_throughput"] > 0
+
+
+def test_a_long_prefill_beside_a_short_one_on_the_other_rank_answers_as_hf(server):
+    """Rank 0 prefills about 400 tokens (eager: above the largest capture size) while rank 1
+    prefills two and decodes: in lockstep, every step runs the smaller graph mode of the two
+    and both ranks' MoE layers gather the other's tokens, padded to the larger count."""
+    base, _ = server
+    long_prompt = "Once upon a time, " + "the river ran past the mill and " * 50 + "then"
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        long = pool.submit(served_completion, base, NAME, long_prompt, TOKENS, RANK_0)
+        short = pool.submit(served_completion, base, NAME, "Hi there", TOKENS,
+                            {"X-data-parallel-rank": "1"})
+        answers = [(long_prompt, long.result(timeout=180)), ("Hi there", short.result(timeout=180))]
+    for prompt, out in answers:
+        check_logprobs_close(hf_greedy(model_path(FAMILY), prompt, TOKENS), out, prompt[:20],
+                             dtype=DTYPE)
+
+
+def test_a_stream_aborted_mid_way_leaves_both_ranks_serving(server):
+    """A client drops a streamed request on rank 1 after a few tokens: vLLM aborts it, and
+    both engines (one of them now idle, running dummy batches) keep answering."""
+    base, _ = server
+    with requests.post(f"{base}/v1/completions", stream=True, timeout=60,
+                       headers={"X-data-parallel-rank": "1"}, json={
+                           "model": NAME, "prompt": "Count to a thousand: 1, 2,",
+                           "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+                           "stream": True}) as r:
+        assert r.status_code == 200, r.text
+        chunks = 0
+        for line in r.iter_lines():
+            chunks += line.startswith(b"data: ")
+            if chunks == 4:
+                break  # the connection closes with the block: vLLM aborts the request
+    before = finished_per_engine(base)
+    answers_as_hf(base, ["After an abort, rank zero says"], headers=RANK_0)
+    answers_as_hf(base, ["After an abort, rank one says"], headers={"X-data-parallel-rank": "1"})
+    after = finished_per_engine(base)
+    assert (after["0"] - before["0"], after["1"] - before["1"]) == (1, 1), (before, after)

@@ -1,6 +1,6 @@
 """Every torch_npu call the engine makes, checked against upstream vllm-ascend's call sites.
 
-Two engines run with the simulator's call log on: an eager one (every op called from Python) and
+Two engines of a tiny Qwen3-MoE run with the simulator's call log on: an eager one (every op called from Python) and
 one in FULL_AND_PIECEWISE (attention eager between pieces, FIA captured in FULL graphs and updated
 every step; its compiled pieces call their ops directly, unlogged). Each distinct call shape must
 match the table below, written from ../shared/TORCH_NPU_CONTRACTS.md (op name, positional
@@ -57,6 +57,22 @@ TABLE = {
     "npu_add_rms_norm": ([tensor(2), tensor(2), tensor(1), FLOAT], {}),
     "npu_swiglu": ([tensor(2)], {}),
     "npu_rotary_mul": ([tensor(4), tensor(4), tensor(4)], {"rotary_mode": value("half")}),
+    # MoE, upstream's all-gather path: gating as _310p/fused_moe/grouped_topk_router.py:60;
+    # routing as token_dispatcher.py (TokenDispatcherWithAllGather) through device_op.py;
+    # grouped matmuls as moe_mlp.py (unquant_apply_mlp); unpermute as device_op.py:951-954.
+    "npu_moe_gating_top_k_softmax": ([tensor(2)], {"k": INT}),
+    "npu_moe_init_routing_v2": ([tensor(2), tensor(2, ("int32",))], {
+        "scale": value("NoneType"), "active_num": INT, "expert_num": INT,
+        "expert_tokens_num_type": value("int"), "expert_tokens_num_flag": value("bool"),
+        "active_expert_range": HOST_LIST, "quant_mode": INT}),
+    "npu_grouped_matmul": ([], {
+        "x": lambda d: isinstance(d, list) and len(d) == 1 and tensor(2)(d[0]),
+        "weight": lambda d: isinstance(d, list) and len(d) == 1 and tensor(3)(d[0]),
+        "split_item": INT, "group_list_type": INT, "group_type": INT,
+        "group_list": tensor(1, ("int64",))}),
+    "npu_moe_token_unpermute": ([], {"permuted_tokens": tensor(2),
+                                     "sorted_indices": tensor(1, ("int32",)),
+                                     "probs": tensor(2)}),
     # model_runner_v1.py / acl_graph.py / attention_v1.py: graphs, task groups, events
     "npu.graph": ([value("NPUGraph")], {"pool": value("_PoolHandle")}),
     "npu.graph_pool_handle": ([], {}),
@@ -83,10 +99,11 @@ def call_log(tmp_path_factory):
     path = tmp_path_factory.mktemp("calls") / "torch_npu_calls.jsonl"
     with pytest.MonkeyPatch.context() as env:
         env.setenv("VLLM_ASCEND_SIM_CALL_LOG", str(path))  # read when an engine is prepared
-        # Qwen3: q/k RMSNorm on head views as well as the residual norms.
+        # Qwen3-MoE: q/k RMSNorm on head views as well as the residual norms, and the
+        # fused-MoE operators.
         for mode in ({"enforce_eager": True}, {"compilation_config": {
                 "cudagraph_mode": "FULL_AND_PIECEWISE", "cudagraph_capture_sizes": [1, 2, 4]}}):
-            with engine(model_path("qwen3"), max_num_seqs=4, **mode) as llm:
+            with engine(model_path("qwen3_moe"), max_num_seqs=4, **mode) as llm:
                 vllm_greedy(llm, ["The capital of France is", "1, 2, 3,", "Hello"], 6)
     return [json.loads(line) for line in path.read_text().splitlines()]
 

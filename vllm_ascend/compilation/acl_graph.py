@@ -10,7 +10,7 @@ always on: a replay reads its inputs at the captured addresses, whatever was pas
 import collections
 import dataclasses
 import weakref
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from typing import Any
 from unittest.mock import patch
 
@@ -127,6 +127,19 @@ def capture_advice(error: Exception, runtime_mode: CUDAGraphMode) -> str:
         "('{\"cudagraph_mode\": \"FULL_DECODE_ONLY\"}'), or run eagerly with --enforce-eager.")
 
 
+@contextmanager
+def _without_dp_sizes(ctx):
+    """Hide the step's per-rank token counts while a graph is captured: a graph step runs the
+    same padded token count on every data-parallel rank (vLLM pads them alike whenever the
+    synced mode has graphs), so an MoE layer needs none; and host values read during capture
+    would be frozen into the graph. (vLLM's MoE runner reads them with .tolist().)"""
+    dp_metadata, ctx.dp_metadata = ctx.dp_metadata, None
+    try:
+        yield
+    finally:
+        ctx.dp_metadata = dp_metadata
+
+
 class ACLGraphWrapper:
     def __init__(self, runnable, vllm_config: VllmConfig, runtime_mode: CUDAGraphMode,
                  cudagraph_options=None, hooks: "GraphHooks | None" = None, **kwargs):
@@ -190,6 +203,7 @@ class ACLGraphWrapper:
         with ExitStack() as stack:
             if self.gc_disable:  # one gc per forward is enough while capturing many pieces
                 stack.enter_context(patch("gc.collect", lambda *a, **k: None))
+            stack.enter_context(_without_dp_sizes(get_forward_context()))
             try:
                 self.hooks.capture_begin(desc)
                 with torch_npu.npu.graph(graph, pool=self.state.pool):

@@ -12,6 +12,8 @@ FAMILIES = {
     "LlamaForCausalLM": "vllm_ascend.models.llama:AscendLlamaForCausalLM",
     "Qwen2ForCausalLM": "vllm_ascend.models.qwen2:AscendQwen2ForCausalLM",
     "Qwen3ForCausalLM": "vllm_ascend.models.qwen3:AscendQwen3ForCausalLM",
+    "Qwen2MoeForCausalLM": "vllm_ascend.models.qwen2_moe:AscendQwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM": "vllm_ascend.models.qwen3_moe:AscendQwen3MoeForCausalLM",
 }
 
 

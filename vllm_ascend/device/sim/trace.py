@@ -79,7 +79,9 @@ def install_if_requested(torch_npu_module, npu_module) -> None:
 
 def install(torch_npu_module, npu_module) -> None:
     for name in ("_npu_fused_infer_attention_score_get_max_workspace", "npu_scatter_pa_kv_cache",
-                 "npu_rms_norm", "npu_add_rms_norm", "npu_swiglu", "npu_rotary_mul", "npu_mrope"):
+                 "npu_rms_norm", "npu_add_rms_norm", "npu_swiglu", "npu_rotary_mul", "npu_mrope",
+                 "npu_moe_gating_top_k_softmax", "npu_moe_init_routing_v2", "npu_grouped_matmul",
+                 "npu_moe_token_unpermute"):
         setattr(torch_npu_module, name, traced(name, getattr(torch_npu_module, name)))
     fia = torch_npu_module.npu_fused_infer_attention_score
     type(fia).__call__ = _traced_method("npu_fused_infer_attention_score", type(fia).__call__)

@@ -1,0 +1,155 @@
+"""How MoE tokens reach other ranks' experts: one pure function of (chip generation, EP size,
+phase, graph), as upstream's select_moe_comm_method decides, with what vllm-ascend runs."""
+
+import pytest
+
+from vllm_ascend.ops.fused_moe.comm import MoEComm, chip_generation, select_moe_comm
+
+AG, MC2, A2A = MoEComm.ALLGATHER, MoEComm.MC2, MoEComm.ALLTOALL
+
+# (generation, EP size, decode, in a graph) -> what upstream runs; vllm-ascend runs all-gather.
+TABLE = [
+    ("A2", 1, True, True, AG),      # no expert parallelism
+    ("A2", 2, True, True, AG),      # EP below upstream's MC2 threshold
+    ("A2", 8, False, False, AG),
+    ("A2", 16, True, True, MC2),    # A2: MC2 for decode from 16 EP ranks
+    ("A2", 16, False, False, AG),   # ... a prefill stays all-gather
+    ("A3", 2, True, True, MC2),     # A3 prefers MC2
+    ("A3", 4, False, False, A2A),   # ... and all-to-all for a large eager batch
+    ("A3", 4, False, True, MC2),    # never all-to-all inside a graph
+    ("other", 4, True, True, AG),   # the simulator, 310P: all-gather
+]
+
+
+@pytest.mark.parametrize("generation,ep,decode,in_graph,upstream", TABLE)
+def test_comm_choice_table(generation, ep, decode, in_graph, upstream):
+    choice = select_moe_comm(generation, ep, decode, in_graph)
+    assert choice.upstream == upstream
+    assert choice.comm == AG  # the path vllm-ascend has, exact at any EP size and capturable
+    if upstream != AG:
+        assert upstream.value in choice.reason and "all-gather" in choice.reason
+
+
+def test_chip_generation_from_the_device_name():
+    assert chip_generation("Ascend910B2") == "A2"
+    assert chip_generation("Ascend910_9382") == "A3"
+    assert chip_generation("Ascend simulator (CPU)") == "other"
+
+
+def test_each_ep_rank_holds_one_contiguous_range_of_experts():
+    import torch
+
+    from vllm_ascend.ops.fused_moe.method import expert_range
+
+    assert expert_range(None, 8) == (0, 8)  # no expert parallelism: every expert
+    rank_1_of_2 = torch.tensor([-1, -1, -1, -1, 0, 1, 2, 3])  # vLLM's linear placement
+    assert expert_range(rank_1_of_2, 4) == (4, 8)
+    round_robin = torch.tensor([0, -1, 1, -1, 2, -1, 3, -1])
+    with pytest.raises(ValueError, match="contiguous range.*--expert-placement-strategy linear"):
+        expert_range(round_robin, 4)
+
+
+def test_a_routing_the_layer_does_not_build_fails_at_load_naming_the_layer():
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.fused_moe import MoEActivation
+
+    from vllm_ascend.ops.fused_moe.method import AscendUnquantizedFusedMoEMethod
+
+    deepseek_like = SimpleNamespace(
+        layer_name="model.layers.3.mlp.experts", scoring_func="sigmoid", use_grouped_topk=True,
+        custom_routing_function=None, e_score_correction_bias=object(),
+        apply_router_weight_on_input=False, activation=MoEActivation.SILU)
+    method = SimpleNamespace(moe=SimpleNamespace(has_bias=False))
+    with pytest.raises(ValueError, match=(
+            r"model.layers.3.mlp.experts: vllm-ascend's MoE layer routes by softmax top-k to "
+            r"SwiGLU experts \(Qwen2-MoE, Qwen3-MoE\); this model uses sigmoid scores, grouped "
+            r"top-k, a score-correction bias, which it does not build yet")):
+        AscendUnquantizedFusedMoEMethod.process_weights_after_loading(method, deepseek_like)
+
+
+E, H, INTER, TOP_K = 8, 16, 8, 2
+
+
+def _weights():
+    """Experts in vLLM's layout: w13 [E, 2 * inter, hidden] (gate | up), w2 [E, hidden, inter]."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(E, 2 * INTER, H, generator=g) / 4,
+            torch.randn(E, H, INTER, generator=g) / 4)
+
+
+def _reference(x, logits, renormalize, experts=range(E)):
+    """HF's MoE block in float32: softmax, top-k, optional renormalisation, each chosen expert's
+    SwiGLU MLP weighted by its probability; another rank's experts add 0."""
+    import torch
+
+    w13, w2 = _weights()
+    probs, ids = torch.softmax(logits.float(), -1).topk(TOP_K, -1)
+    if renormalize:
+        probs = probs / probs.sum(-1, keepdim=True)
+    out = torch.zeros(x.shape)
+    for t in range(x.shape[0]):
+        for p, e in zip(probs[t], ids[t].tolist()):
+            if e in experts:
+                gate, up = (w13[e] @ x[t].float()).chunk(2)
+                out[t] += p * (w2[e] @ (torch.nn.functional.silu(gate) * up))
+    return out
+
+
+def _layer_experts(x, logits, renormalize, first=0, last=E):
+    """The product's expert computation (AscendUnquantizedFusedMoEMethod._experts) on a layer
+    holding experts [first, last), with its weights as process_weights_after_loading leaves
+    them (transposed to [E, K, N], bfloat16)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from vllm_ascend.ops.fused_moe.method import AscendUnquantizedFusedMoEMethod
+
+    w13, w2 = _weights()
+    layer = SimpleNamespace(
+        top_k=TOP_K, renormalize=renormalize, global_num_experts=E,
+        ascend_expert_range=(first, last),
+        w13_weight=w13[first:last].transpose(1, 2).contiguous().to(torch.bfloat16),
+        w2_weight=w2[first:last].transpose(1, 2).contiguous().to(torch.bfloat16))
+    return AscendUnquantizedFusedMoEMethod._experts(None, layer, x.to(torch.bfloat16),
+                                                    logits.to(torch.bfloat16)).float()
+
+
+def _inputs(tokens=6, seed=1):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(tokens, H, generator=g), torch.randn(tokens, E, generator=g) * 3
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_the_layer_is_hfs_mixture_of_experts(renormalize):
+    """Qwen3-MoE renormalises the top-k probabilities (norm_topk_prob), Qwen2-MoE does not: the
+    two differ by far more than the tolerance, so either mistake fails."""
+    import torch
+
+    x, logits = _inputs()
+    out = _layer_experts(x, logits, renormalize)
+    torch.testing.assert_close(out, _reference(x, logits, renormalize), atol=0.03, rtol=0.03)
+    assert (out - _reference(x, logits, not renormalize)).abs().max() > 0.1
+
+
+def test_expert_parallel_ranks_add_up_even_when_a_rank_gets_one_pair_or_none():
+    """Two EP ranks' outputs sum to the whole layer's. Here every token goes to experts 0-3
+    except one pair: rank [4, 8) computes one routed row, rank [0, 4) all but one. The rows of
+    the grouped matmul past a rank's pairs are undefined (NaN on the simulator), and the
+    unpermute reads one of them, with weight 0, for every pair the rank dropped."""
+    import torch
+
+    x, logits = _inputs()
+    logits[:, 4:] = -20.0
+    logits[0, 5] = 20.0  # token 0's top expert is 5, on the second rank
+    halves = [_layer_experts(x, logits, True, first, last) for first, last in ((0, 4), (4, 8))]
+    assert all(torch.isfinite(h).all() for h in halves)
+    torch.testing.assert_close(halves[0] + halves[1], _reference(x, logits, True),
+                               atol=0.03, rtol=0.03)
+    logits[0, 5] = -20.0  # now rank [4, 8) receives no pair at all
+    assert torch.isfinite(_layer_experts(x, logits, True, 4, 8)).all()

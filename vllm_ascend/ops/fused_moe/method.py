@@ -1,0 +1,174 @@
+"""The MoE layer's expert computation on torch_npu's fused-MoE operators, as upstream
+vllm-ascend's all-gather path calls them (``TokenDispatcherWithAllGather`` and
+``unquant_apply_mlp``; contracts in docs/torch_npu_calls.md).
+
+vLLM builds every MoE layer's experts with ``UnquantizedFusedMoEMethod`` (a CustomOp); registered
+out of tree, this class takes its place. It routes inside the layer (a monolithic method: it gets
+the router logits, as upstream's does), and it does its own data-parallel all-gather and
+reduce-scatter, with the padding to the largest rank's token count that upstream's
+``PrepareAndFinalizeWithAllGather`` does, rather than vLLM's naive dispatch, which needs an
+all-to-all manager the NPU communicator does not have.
+"""
+
+import torch
+from vllm.distributed import get_dp_group, get_ep_group
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.fused_moe import MoEActivation, UnquantizedFusedMoEMethod
+
+from vllm_ascend import device
+from vllm_ascend.device import torch_npu
+from vllm_ascend.logger import get_logger
+from vllm_ascend.ops.fused_moe.comm import chip_generation, select_moe_comm
+
+logger = get_logger(__name__)
+_logged = False
+
+
+def expert_range(expert_map: torch.Tensor | None, local_experts: int) -> tuple[int, int]:
+    """The global ids [first, last) of this rank's experts: all of them without expert
+    parallelism; with it, one contiguous range (vLLM's linear placement), which is what
+    ``npu_moe_init_routing_v2``'s ``active_expert_range`` can express."""
+    if expert_map is None:
+        return 0, local_experts
+    ids = torch.nonzero(expert_map.cpu() >= 0).flatten().tolist()
+    first = ids[0] if ids else 0
+    if ids != list(range(first, first + local_experts)) or \
+            expert_map.cpu()[ids].tolist() != list(range(local_experts)):
+        raise ValueError(
+            "vllm-ascend's MoE layer needs each expert-parallel rank's experts to be one "
+            f"contiguous range of global ids in order (got {ids}): use the default "
+            "--expert-placement-strategy linear, without redundant experts")
+    return first, first + local_experts
+
+
+def gather_group(parallel, num_tokens: int):
+    """The group whose ranks' tokens an MoE layer gathers, and the most tokens a rank brings
+    this step: none without data parallelism; with it, the DP group (each rank brings its step's
+    tokens), or under vLLM's sequence-parallel MoE (DP x TP with expert parallelism) the EP
+    group, each TP rank bringing its chunk of its DP rank's tokens (upstream's
+    ``_prepare_with_ep_group``). The counts are host values (vLLM keeps them on the CPU), read
+    without a device op; while a graph is captured they are hidden (compilation/acl_graph.py),
+    since in a graph step every rank runs the same count."""
+    if parallel.dp_size <= 1:
+        return None, num_tokens
+    group = get_ep_group() if parallel.is_sequence_parallel else get_dp_group()
+    dp_metadata = get_forward_context().dp_metadata
+    if dp_metadata is None:
+        return group, num_tokens
+    most = int(dp_metadata.num_tokens_across_dp_cpu.numpy().max())
+    if parallel.is_sequence_parallel:
+        most = -(-most // parallel.sp_size)  # sequence_parallel_chunk pads to a multiple
+    return group, most
+
+
+def _log_layout(moe, layer) -> None:
+    """Once per worker: where this rank's experts are and how tokens reach them."""
+    global _logged
+    if _logged:
+        return
+    _logged = True
+    parallel = moe.moe_parallel_config
+    generation = chip_generation(device.current.device_name())
+    choices = {select_moe_comm(generation, parallel.ep_size, decode, decode)
+               for decode in (True, False)}  # a decode in a graph, an eager prefill
+    first, last = layer.ascend_expert_range
+    where = (f"experts {first}-{last - 1} of {layer.global_num_experts} on EP rank "
+             f"{parallel.ep_rank} of {parallel.ep_size}" if parallel.use_ep else
+             f"all {layer.global_num_experts} experts"
+             + (f", their weights split over {parallel.tp_size} ranks" if parallel.tp_size > 1
+                else ""))
+    if parallel.dp_size <= 1:
+        gather = "no dispatch (every rank sees every token)"
+    elif parallel.is_sequence_parallel:
+        gather = (f"all-gather and reduce-scatter over the EP group ({parallel.ep_size} ranks, "
+                  f"each TP rank bringing 1/{parallel.sp_size} of its DP rank's tokens)")
+    else:
+        gather = f"all-gather and reduce-scatter over the DP group ({parallel.dp_size} ranks)"
+    logger.info("vllm-ascend: MoE layers: top-%d of %s; tokens reach them by %s, in every "
+                "phase and graph mode (%s)", layer.top_k, where, gather,
+                "; ".join(sorted(c.reason for c in choices)))
+
+
+@UnquantizedFusedMoEMethod.register_oot(name="UnquantizedFusedMoEMethod")
+class AscendUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
+
+    @property
+    def is_monolithic(self) -> bool:
+        return True  # routes from the router logits itself (npu_moe_gating_top_k_softmax)
+
+    @property
+    def supports_internal_mk(self) -> bool:
+        return True  # its own DP all-gather/reduce-scatter: vLLM's runner must not dispatch
+
+    def process_weights_after_loading(self, layer) -> None:
+        unsupported = [name for name, used in (
+            (f"{layer.scoring_func} scores", layer.scoring_func != "softmax"),
+            ("grouped top-k", layer.use_grouped_topk),
+            ("a custom routing function", layer.custom_routing_function is not None),
+            ("a score-correction bias", layer.e_score_correction_bias is not None),
+            ("router weights applied to the input", layer.apply_router_weight_on_input),
+            (f"{layer.activation.value} experts", layer.activation != MoEActivation.SILU),
+            ("expert biases", self.moe.has_bias)) if used]
+        if unsupported:
+            raise ValueError(
+                f"{layer.layer_name}: vllm-ascend's MoE layer routes by softmax top-k to SwiGLU "
+                f"experts (Qwen2-MoE, Qwen3-MoE); this model uses "
+                f"{', '.join(unsupported)}, which it does not build yet (docs/moe.md). Serve "
+                "one of those families.")
+        super().process_weights_after_loading(layer)  # the OOT backend keeps the weights as is
+        # npu_grouped_matmul multiplies [M, K] by [E, K, N]: store the experts' weights
+        # transposed (in place of vLLM's [E, N, K]), once, as upstream does after loading.
+        for name in ("w13_weight", "w2_weight"):
+            weight = getattr(layer, name)
+            weight.data = weight.data.transpose(1, 2).contiguous()
+        layer.ascend_expert_range = expert_range(layer.expert_map, layer.local_num_experts)
+        _log_layout(self.moe, layer)
+
+    def apply_monolithic(self, layer, x: torch.Tensor, router_logits: torch.Tensor,
+                         input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        group, most = gather_group(self.moe.moe_parallel_config, num_tokens)
+        if group is not None:  # every rank routes every rank's tokens to its own experts
+            pad = most - num_tokens
+            if pad > 0:
+                x = torch.nn.functional.pad(x, (0, 0, 0, pad))
+                router_logits = torch.nn.functional.pad(router_logits, (0, 0, 0, pad))
+            x = group.all_gather(x, 0)
+            router_logits = group.all_gather(router_logits, 0)
+        out = self._experts(layer, x, router_logits)
+        if group is not None:  # each rank gets back its own tokens, summed over all experts
+            out = group.reduce_scatter(out, 0)[:num_tokens]
+        return out
+
+    def _experts(self, layer, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        top_k = layer.top_k
+        topk_weights, topk_ids, _ = torch_npu.npu_moe_gating_top_k_softmax(router_logits,
+                                                                           k=top_k)
+        if layer.renormalize:  # Qwen3-MoE's norm_topk_prob
+            topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+        first, last = layer.ascend_expert_range
+        if last - first < layer.global_num_experts:
+            # Another rank computes the tokens routed to its experts: weigh them 0 here.
+            topk_weights = topk_weights * ((topk_ids >= first) & (topk_ids < last))
+        sorted_x, expanded_row_idx, expert_tokens, _ = torch_npu.npu_moe_init_routing_v2(
+            x, topk_ids, scale=None, active_num=x.shape[0] * top_k,
+            expert_num=layer.global_num_experts, expert_tokens_num_type=1,
+            expert_tokens_num_flag=True, active_expert_range=[first, last], quant_mode=-1)
+        expert_tokens = expert_tokens.to(torch.int64)
+        gate_up = torch_npu.npu_grouped_matmul(
+            x=[sorted_x], weight=[layer.w13_weight], split_item=2, group_list_type=1,
+            group_type=0, group_list=expert_tokens)[0]
+        hidden = torch_npu.npu_swiglu(gate_up)
+        down = torch_npu.npu_grouped_matmul(
+            x=[hidden], weight=[layer.w2_weight], split_item=2, group_list_type=1,
+            group_type=0, group_list=expert_tokens)[0]
+        if last - first < layer.global_num_experts:
+            # The pairs routed to other ranks point (through abs(-1)) at row 1, weighted 0; the
+            # grouped matmul leaves the rows past this rank's routed pairs undefined, and
+            # 0 x NaN is NaN: zero those rows (a rank may hold one routed pair, or none).
+            routed = expert_tokens.sum()
+            rows = torch.arange(down.shape[0], device=down.device)
+            down = down.masked_fill((rows >= routed).unsqueeze(1), 0)
+        return torch_npu.npu_moe_token_unpermute(
+            permuted_tokens=down, sorted_indices=torch.abs(expanded_row_idx),
+            probs=topk_weights)
