@@ -37,7 +37,8 @@ def server():
                      "--data-parallel-size", "2", "--enable-expert-parallel",
                      "--dtype", DTYPE,  # MoE closeness: see docs/moe.md#tests-and-figures
                      "--max-model-len", "512",
-                     "--max-num-seqs", str(MAX_NUM_SEQS), start_s=420) as served:
+                     "--max-num-seqs", str(MAX_NUM_SEQS), "--api-server-count", "1",
+                     start_s=420) as served:
         yield served
 
 
