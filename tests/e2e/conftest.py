@@ -5,6 +5,7 @@ import contextlib
 import functools
 import gc
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -335,7 +336,7 @@ def vllm_server(model: str, name: str, *args: str, start_s: int = 300):
            "--host", "127.0.0.1", "--port", str(port), "--served-model-name", name,
            "--seed", "0", *args]
     # Dev mode: POST /collective_rpc, through which the tests read the workers' graph counts.
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, "VLLM_ASCEND_SIM_MEMORY_GB": "2",
                                  "VLLM_SERVER_DEV_MODE": "1"})
     base = f"http://127.0.0.1:{port}"
@@ -361,6 +362,17 @@ def vllm_server(model: str, name: str, *args: str, start_s: int = 300):
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
+        # The server's engine cores and workers (its session) exit after it: wait for them, so
+        # that the next test finds their devices free.
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            try:
+                os.killpg(proc.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.2)
+        else:
+            os.killpg(proc.pid, signal.SIGKILL)
         log.close()
 
 
