@@ -5,8 +5,8 @@ rank's graphs, replays and streams, in each graph mode asked for.
     python scripts/check_parallel.py --tensor-parallel-size 4
     python scripts/check_parallel.py --pipeline-parallel-size 2 --modes FULL_DECODE_ONLY
     python scripts/check_parallel.py --tensor-parallel-size 2 --speculative eagle
-    python scripts/check_parallel.py --tensor-parallel-size 2 --family qwen3_moe \
-        --enable-expert-parallel
+    python scripts/check_parallel.py --tensor-parallel-size 2 --family qwen2_moe \
+        --enable-expert-parallel --dtype float16
 """
 
 import argparse
@@ -16,7 +16,7 @@ MODES = ["PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]
 
 
 def check(mode: str, family: str, tp: int, pp: int, speculative: str | None,
-          expert_parallel: bool = False) -> None:
+          expert_parallel: bool = False, dtype: str = "bfloat16") -> None:
     from tests.e2e.conftest import (PROMPTS, check_logprobs_close, engine,
                                     graph_counts_per_rank, hf_greedy, MAX_TOKENS,
                                     model_path, speculative_config, vllm_greedy)
@@ -27,13 +27,14 @@ def check(mode: str, family: str, tp: int, pp: int, speculative: str | None,
         extra["speculative_config"] = speculative_config(family, speculative, 3)
         sizes = [4, 8, 16]
     with engine(model_path(family), tensor_parallel_size=tp, pipeline_parallel_size=pp,
-                enable_expert_parallel=expert_parallel,
+                enable_expert_parallel=expert_parallel, dtype=dtype,
                 distributed_executor_backend="mp", max_num_seqs=4, compilation_config={
                     "cudagraph_mode": mode, "cudagraph_capture_sizes": sizes}, **extra) as llm:
         outs = vllm_greedy(llm, PROMPTS, n)
         ranks = graph_counts_per_rank(llm)
     for prompt, out in zip(PROMPTS, outs):
-        check_logprobs_close(hf_greedy(model_path(family), prompt, n), out, f"{mode} {prompt!r}")
+        check_logprobs_close(hf_greedy(model_path(family), prompt, n), out, f"{mode} {prompt!r}",
+                             dtype=dtype)
     print(f"{mode}: {len(PROMPTS)} of {len(PROMPTS)} answers close to HF transformers'")
     for rank, counts in enumerate(ranks):
         print(f"  rank {rank}: captured {counts['captured']}, replayed {counts['replayed']}, "
@@ -47,6 +48,8 @@ def main() -> None:
     parser.add_argument("--pipeline-parallel-size", type=int, default=1)
     parser.add_argument("--family", default="llama",
                         choices=["llama", "qwen2", "qwen3", "smollm2", "qwen3_moe", "qwen2_moe"])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"],
+                        help="float16 for MoE models across ranks (docs/moe.md#tests-and-figures)")
     parser.add_argument("--enable-expert-parallel", action="store_true",
                         help="split a mixture-of-experts model's experts over the ranks")
     parser.add_argument("--modes", nargs="+", default=MODES, choices=MODES)
@@ -57,7 +60,7 @@ def main() -> None:
     os.environ.setdefault("HCCL_BUFFSIZE", "8")  # 2 x 8 MB per communicator fits a 1 GiB device
     for mode in args.modes:
         check(mode, args.family, args.tensor_parallel_size, args.pipeline_parallel_size,
-              args.speculative, args.enable_expert_parallel)
+              args.speculative, args.enable_expert_parallel, args.dtype)
 
 
 if __name__ == "__main__":
