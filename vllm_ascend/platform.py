@@ -97,8 +97,9 @@ class NPUPlatform(Platform):
     def import_kernels(cls) -> None:
         # No vllm._C here: every kernel the plugin needs comes from device/.
         import vllm_ascend.ops  # noqa: F401  (registers the CustomOp overrides)
-        # The MoE override registers when the worker module loads (worker.py): vLLM's fused_moe
-        # package imports vllm._custom_ops, whose import calls this method.
+        # The MoE override registers when the model runner's module loads (it imports
+        # ops/fused_moe): vLLM's fused_moe package imports vllm._custom_ops, whose import calls
+        # this method.
 
     @classmethod
     def register_triton_kernel_overrides(cls) -> None:

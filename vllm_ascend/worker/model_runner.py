@@ -20,6 +20,7 @@ from vllm_ascend import device
 from vllm_ascend.compilation.acl_graph import GRAPH_STATE, ACLGraphWrapper, GraphHooks, GraphState
 from vllm_ascend.device import torch_npu
 from vllm_ascend.logger import get_logger
+from vllm_ascend.ops.fused_moe import method as fused_moe  # (registers the MoE CustomOp)
 from vllm_ascend.ops.qkv import StepRope
 from vllm_ascend.worker.padding import StepPadding, decide_padding
 
@@ -99,6 +100,7 @@ class NPUModelRunner(GPUModelRunner):
                 drafter._slot_mapping_buffer, -1, dtype=torch.int32)
         # The model's step RoPE buffers (models/common.py), filled before each forward.
         self.step_ropes = step_ropes_of(self.get_model())
+        fused_moe.log_layout(self.get_model())
         draft_ropes = step_ropes_of(getattr(drafter, "model", None))
         if draft_ropes:  # a draft model of our families: vLLM's proposer calls it directly
             def fill_draft_ropes(_module, _args, kwargs):

@@ -17,7 +17,6 @@ from vllm.v1.worker.worker_base import CompilationTimes
 
 from vllm_ascend import device, patch
 from vllm_ascend.device import torch_npu
-from vllm_ascend.ops import fused_moe  # noqa: F401  (registers the MoE CustomOp override)
 from vllm_ascend.worker.model_runner import NPUModelRunner
 
 logger = get_logger(__name__)

@@ -21,7 +21,6 @@ from vllm_ascend.logger import get_logger
 from vllm_ascend.ops.fused_moe.comm import chip_generation, select_moe_comm
 
 logger = get_logger(__name__)
-_logged = False
 
 
 def expert_range(expert_map: torch.Tensor | None, local_experts: int) -> tuple[int, int]:
@@ -61,12 +60,13 @@ def gather_group(parallel, num_tokens: int):
     return group, most
 
 
-def _log_layout(moe, layer) -> None:
-    """Once per worker: where this rank's experts are and how tokens reach them."""
-    global _logged
-    if _logged:
+def log_layout(model: torch.nn.Module) -> None:
+    """One line per worker (after its model loaded): where this rank's experts are and how
+    tokens reach them; nothing for a dense model."""
+    layer = next((m for m in model.modules() if hasattr(m, "ascend_expert_range")), None)
+    if layer is None:
         return
-    _logged = True
+    moe = layer.quant_method.moe
     parallel = moe.moe_parallel_config
     generation = chip_generation(device.current.device_name())
     choices = {select_moe_comm(generation, parallel.ep_size, decode, decode)
@@ -78,14 +78,16 @@ def _log_layout(moe, layer) -> None:
              + (f", their weights split over {parallel.tp_size} ranks" if parallel.tp_size > 1
                 else ""))
     if parallel.dp_size <= 1:
-        gather = "no dispatch (every rank sees every token)"
+        gather = "every rank sees every token, no dispatch"
     elif parallel.is_sequence_parallel:
-        gather = (f"all-gather and reduce-scatter over the EP group ({parallel.ep_size} ranks, "
-                  f"each TP rank bringing 1/{parallel.sp_size} of its DP rank's tokens)")
+        gather = (f"tokens reach them by all-gather and reduce-scatter over the EP group "
+                  f"({parallel.ep_size} ranks, each TP rank bringing 1/{parallel.sp_size} of its "
+                  "DP rank's tokens)")
     else:
-        gather = f"all-gather and reduce-scatter over the DP group ({parallel.dp_size} ranks)"
-    logger.info("vllm-ascend: MoE layers: top-%d of %s; tokens reach them by %s, in every "
-                "phase and graph mode (%s)", layer.top_k, where, gather,
+        gather = ("tokens reach them by all-gather and reduce-scatter over the DP group "
+                  f"({parallel.dp_size} ranks)")
+    logger.info("vllm-ascend: MoE layers: top-%d of %s; %s, in every phase and graph mode (%s)",
+                layer.top_k, where, gather,
                 "; ".join(sorted(c.reason for c in choices)))
 
 
@@ -122,7 +124,6 @@ class AscendUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
             weight = getattr(layer, name)
             weight.data = weight.data.transpose(1, 2).contiguous()
         layer.ascend_expert_range = expert_range(layer.expert_map, layer.local_num_experts)
-        _log_layout(self.moe, layer)
 
     def apply_monolithic(self, layer, x: torch.Tensor, router_logits: torch.Tensor,
                          input_ids: torch.Tensor | None = None) -> torch.Tensor:
