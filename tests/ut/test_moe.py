@@ -28,6 +28,9 @@ def test_comm_choice_table(generation, ep, decode, in_graph, upstream):
     assert choice.comm == AG  # the path vllm-ascend has, exact at any EP size and capturable
     if upstream != AG:
         assert upstream.value in choice.reason and "all-gather" in choice.reason
+    # "below the MC2 threshold" only where it is below
+    assert ("below upstream's MC2 threshold" in choice.reason) == (
+        generation == "A2" and 1 < ep < 16)
 
 
 def test_chip_generation_from_the_device_name():

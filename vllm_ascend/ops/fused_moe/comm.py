@@ -15,7 +15,7 @@ import enum
 
 
 class MoEComm(enum.Enum):
-    ALLGATHER = "all-gather"  # DP all-gather of tokens and router logits, local experts, reduce-scatter
+    ALLGATHER = "all-gather"  # gather tokens and router logits, local experts, reduce-scatter
     MC2 = "MC2"
     ALLTOALL = "all-to-all"
 
@@ -52,9 +52,9 @@ def select_moe_comm(generation: str, ep_size: int, decode: bool, in_graph: bool)
     else:
         upstream = MoEComm.ALLGATHER
     if upstream == MoEComm.ALLGATHER:
-        return CommChoice(MoEComm.ALLGATHER, upstream,
-                          f"EP over {ep_size} ranks below upstream's MC2 threshold"
-                          if generation == "A2" else f"EP over {ep_size} ranks")
+        below = generation == "A2" and ep_size < MC2_MIN_EP_A2
+        return CommChoice(MoEComm.ALLGATHER, upstream, f"EP over {ep_size} ranks"
+                          + (" below upstream's MC2 threshold" if below else ""))
     return CommChoice(MoEComm.ALLGATHER, upstream,
                       f"upstream runs {upstream.value} here ({generation}, EP over {ep_size} "
                       "ranks); vllm-ascend has only the all-gather path, which is exact at any "

@@ -29,10 +29,11 @@ def expert_range(expert_map: torch.Tensor | None, local_experts: int) -> tuple[i
     ``npu_moe_init_routing_v2``'s ``active_expert_range`` can express."""
     if expert_map is None:
         return 0, local_experts
-    ids = torch.nonzero(expert_map.cpu() >= 0).flatten().tolist()
+    local = expert_map.tolist()  # global id -> local slot, or -1 (another rank's)
+    ids = [e for e, slot in enumerate(local) if slot >= 0]
     first = ids[0] if ids else 0
     if ids != list(range(first, first + local_experts)) or \
-            expert_map.cpu()[ids].tolist() != list(range(local_experts)):
+            [local[e] for e in ids] != list(range(local_experts)):
         raise ValueError(
             "vllm-ascend's MoE layer needs each expert-parallel rank's experts to be one "
             f"contiguous range of global ids in order (got {ids}): use the default "
