@@ -11,6 +11,10 @@ rank's graphs, replays and streams, in each graph mode asked for.
 
 import argparse
 import os
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # the repo's tests/
 
 MODES = ["PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]
 
@@ -47,13 +51,14 @@ def main() -> None:
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--pipeline-parallel-size", type=int, default=1)
     parser.add_argument("--family", default="llama",
-                        choices=["llama", "qwen2", "qwen3", "smollm2", "qwen3_moe", "qwen2_moe"])
+                        choices=["llama", "qwen2", "qwen3", "smollm2", "qwen3_moe", "qwen2_moe",
+                                 "deepseek_v2", "deepseek_v2_moe", "deepseek_v3_mtp"])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"],
                         help="float16 for MoE models across ranks (docs/moe.md#tests-and-figures)")
     parser.add_argument("--enable-expert-parallel", action="store_true",
                         help="split a mixture-of-experts model's experts over the ranks")
     parser.add_argument("--modes", nargs="+", default=MODES, choices=MODES)
-    parser.add_argument("--speculative", choices=["ngram", "draft_model", "eagle"],
+    parser.add_argument("--speculative", choices=["ngram", "draft_model", "eagle", "mtp"],
                         help="speculative decoding with this method, 3 tokens a step")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ASCEND_SIM_MEMORY_GB", "1")  # one simulated device per worker

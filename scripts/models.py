@@ -22,6 +22,29 @@ TINY_FAMILIES = {
         "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
         "shared_expert_intermediate_size": 128, "norm_topk_prob": False,
         "decoder_sparse_step": 1, "mlp_only_layers": []}),
+    # DeepSeek-V2 with MLA (the latent and rope widths npu_kv_rmsnorm_rope_cache takes: 512 and
+    # 64; query/key heads of 128 + 64, value heads of 128, as FIA's MLA prefill takes them),
+    # no query LoRA (as V2-Lite). Dense: both layers dense. MoE: the second layer has 8 routed
+    # experts (top-2, greedy) and a shared one.
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", {
+        "num_key_value_heads": 4, "kv_lora_rank": 512, "q_lora_rank": None,
+        "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
+        "first_k_dense_replace": 2, "n_routed_experts": 8, "num_experts_per_tok": 2,
+        "n_shared_experts": 1, "moe_intermediate_size": 64, "n_group": 1, "topk_group": 1}),
+    "deepseek_v2_moe": ("DeepseekV2Config", "DeepseekV2ForCausalLM", {
+        "num_key_value_heads": 4, "kv_lora_rank": 512, "q_lora_rank": None,
+        "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
+        "first_k_dense_replace": 1, "n_routed_experts": 8, "num_experts_per_tok": 2,
+        "n_shared_experts": 1, "moe_intermediate_size": 64, "n_group": 1, "topk_group": 1}),
+    # DeepSeek-V3, dense (its MoE routes by sigmoid over expert groups, which vllm-ascend does
+    # not build yet), with a query LoRA and one MTP layer (model.layers.2.*, as V3's checkpoints
+    # carry it) for vLLM's "mtp" speculative method.
+    "deepseek_v3_mtp": ("DeepseekV3Config", "DeepseekV3ForCausalLM", {
+        "num_key_value_heads": 4, "kv_lora_rank": 512, "q_lora_rank": 64,
+        "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
+        "first_k_dense_replace": 3, "n_routed_experts": 8, "num_experts_per_tok": 2,
+        "n_shared_experts": 1, "moe_intermediate_size": 64, "n_group": 1, "topk_group": 1,
+        "num_nextn_predict_layers": 1}),
 }
 
 
@@ -37,18 +60,21 @@ def tiny_model_dir(family: str, dtype: str = "float32") -> str:
     import transformers
 
     config_cls, model_cls, extra = TINY_FAMILIES[family]
-    version = "v3" if "moe" in family else "v1"
+    version = "v3" if "moe" in family or "deepseek" in family else "v1"
     path = CACHE / "models" / (f"tiny-{family}-{version}" if dtype == "float32" else
                                f"tiny-{family}-{dtype}-{version}")
     if (path / "config.json").exists():
         return str(path)
     tok = transformers.AutoTokenizer.from_pretrained(_tokenizer_dir())
-    config = getattr(transformers, config_cls)(
-        vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-        tie_word_embeddings=False, torch_dtype=dtype,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **extra)
+    config = getattr(transformers, config_cls)(**{
+        "vocab_size": len(tok), "hidden_size": 128, "intermediate_size": 256,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 1024, "tie_word_embeddings": False, "torch_dtype": dtype,
+        "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, **extra})
     torch.manual_seed(1234)
+    mtp = config.to_dict().get("num_nextn_predict_layers", 0)
+    if mtp:  # build the MTP layers' decoder blocks as extra layers of the model
+        config.num_hidden_layers += mtp
     model = getattr(transformers, model_cls)(config)
     # Larger weights than the default init. The logits are still nearly flat (the top logprob
     # about -7.4, the first two 0.01-0.3 apart): tests compare them with the closeness rule.
@@ -65,10 +91,41 @@ def tiny_model_dir(family: str, dtype: str = "float32") -> str:
                 p.normal_(0, 1.0)
     model.to(getattr(torch, dtype))
     tmp = path.with_suffix(".tmp")
-    model.save_pretrained(tmp)
+    if mtp:
+        _save_with_mtp_layers(model, config, mtp, tmp)
+    else:
+        model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     tmp.rename(path)
     return str(path)
+
+
+def _save_with_mtp_layers(model, config, mtp: int, path: pathlib.Path) -> None:
+    """A checkpoint of the model without its last ``mtp`` layers, whose decoder blocks become
+    its MTP layers (model.layers.N.*, N >= num_hidden_layers), each with the MTP tensors
+    DeepSeek-V3 checkpoints carry: the two norms, the projection of [embedding; hidden] and the
+    shared head, plus its own copies of the embedding and the LM head."""
+    import torch
+    from safetensors.torch import save_file
+
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    config.num_hidden_layers -= mtp
+    hidden = config.hidden_size
+    g = torch.Generator().manual_seed(4321)
+    for layer in range(config.num_hidden_layers, config.num_hidden_layers + mtp):
+        prefix = f"model.layers.{layer}."
+        dtype = state["model.norm.weight"].dtype
+        state[prefix + "enorm.weight"] = torch.ones(hidden, dtype=dtype)
+        state[prefix + "hnorm.weight"] = torch.ones(hidden, dtype=dtype)
+        state[prefix + "eh_proj.weight"] = (torch.randn(hidden, 2 * hidden, generator=g)
+                                            * 0.08).to(dtype)
+        state[prefix + "shared_head.norm.weight"] = torch.ones(hidden, dtype=dtype)
+        state[prefix + "shared_head.head.weight"] = state["lm_head.weight"].clone()
+        state[prefix + "embed_tokens.weight"] = state["model.embed_tokens.weight"].clone()
+    config.architectures = [type(model).__name__]
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(path)
 
 
 def smollm2_dir() -> pathlib.Path:

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 logger = get_logger(__name__)
+MLA_OP = "vllm::ascend_mla_attention"  # the Ascend MLA layer's attention op (ops/mla.py)
 
 ASCEND_BLOCK_SIZE = 128  # the paged-KV block size FIA is used with
 FIA_DTYPES = (torch.bfloat16, torch.float16)  # what FIA computes in; the first is preferred
@@ -138,14 +139,17 @@ class NPUPlatform(Platform):
 
     @classmethod
     def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None) -> str:
-        from vllm_ascend.attention.backend import AscendAttentionBackend
-
         if getattr(attn_selector_config, "use_mla", False):
-            raise ValueError(
-                "MLA attention (DeepSeek-style models) is not supported by vllm-ascend yet; "
-                "choose a model with standard multi-head/grouped-query attention."
-            )
-        return f"{AscendAttentionBackend.__module__}.{AscendAttentionBackend.__qualname__}"
+            if getattr(attn_selector_config, "use_sparse", False):
+                raise ValueError("sparse MLA (DeepSeek-V3.2) is not supported by vllm-ascend yet")
+            return "vllm_ascend.attention.mla.AscendMLABackend"
+        return "vllm_ascend.attention.backend.AscendAttentionBackend"
+
+    @classmethod
+    def get_mla_prefill_backend_cls(cls, mla_selector_config):
+        from vllm_ascend.attention.mla import AscendMLAPrefillBackend
+
+        return AscendMLAPrefillBackend
 
     @classmethod
     def use_custom_op_collectives(cls) -> bool:
@@ -219,6 +223,16 @@ class NPUPlatform(Platform):
         compilation_config.cudagraph_num_of_warmups = max(
             1, compilation_config.cudagraph_num_of_warmups)
         cls._apply_graph_mode(vllm_config)
+        if compilation_config.mode == CompilationMode.VLLM_COMPILE:
+            # The Ascend MLA layer's attention op splits PIECEWISE graphs like vLLM's attention
+            # ops (vLLM fills splitting_ops from its own list after this hook).
+            from vllm.config import CompilationConfig
+
+            ops = compilation_config.splitting_ops
+            if ops is None:
+                ops = compilation_config.splitting_ops = list(CompilationConfig._attention_ops)
+            if ops and MLA_OP not in ops:
+                ops.append(MLA_OP)
         # The CUDA-only fusion passes must stay off on this platform.
         pass_config = compilation_config.pass_config
         for name, value in list(vars(pass_config).items()):
@@ -307,6 +321,7 @@ class NPUPlatform(Platform):
         from vllm.config import CompilationMode, CUDAGraphMode
 
         from vllm_ascend.attention.backend import AscendAttentionMetadataBuilder
+        from vllm_ascend.attention.mla import AscendMLAMetadataBuilder
         from vllm_ascend.compilation.capture_sizes import (DEFAULT_STREAM_RESERVE,
                                                            plan_capture_sizes)
         from vllm_ascend.compilation.modes import ModelKind, resolve_graph_mode
@@ -316,9 +331,11 @@ class NPUPlatform(Platform):
             return
         requested = cc.cudagraph_mode
         kind = ModelKind.POOLING if model_config.runner_type == "pooling" else ModelKind.DECODER
+        builder, backend = ((AscendMLAMetadataBuilder, "MLA attention") if model_config.use_mla
+                            else (AscendAttentionMetadataBuilder, "attention"))
         mode, why = resolve_graph_mode(
-            requested, AscendAttentionMetadataBuilder._cudagraph_support,
-            model_config.enforce_eager, kind, cc.mode == CompilationMode.VLLM_COMPILE)
+            requested, builder._cudagraph_support, model_config.enforce_eager, kind,
+            cc.mode == CompilationMode.VLLM_COMPILE, backend)
         cc.cudagraph_mode = mode
         if mode == CUDAGraphMode.NONE:
             cc.cudagraph_capture_sizes, cc.max_cudagraph_capture_size = [], 0

@@ -53,6 +53,8 @@ def speculative_config(family: str, method: str, k: int) -> dict:
     config = {"method": method, "num_speculative_tokens": k}
     if method == "ngram":
         config.update(prompt_lookup_min=2, prompt_lookup_max=4)
+    elif method == "mtp":  # the checkpoint's own MTP layers (DeepSeek-V3)
+        pass
     elif method == "draft_model":  # the model itself: its drafts are the target's own choices
         config["model"] = model_path(family)
     else:  # a random-weight EAGLE head: drafts are rarely accepted, output must not change

@@ -11,7 +11,8 @@ from vllm_ascend.compilation.modes import GraphModeError, ModelKind, resolve_gra
 D, P = ModelKind.DECODER, ModelKind.POOLING
 CONFIGURED = "as configured"
 NO_FULL = "the attention backend cannot run inside a FULL graph"
-DECODE_FULL = "the attention backend runs only decode batches inside FULL graphs"
+DECODE_FULL = ("the attention backend runs only uniform decode batches inside FULL graphs, so "
+               "mixed batches run PIECEWISE")
 POOLING = "a pooling model has no decode steps"
 TABLE = [
     # requested, support, enforce_eager, kind, expected, the reason the log gives
@@ -42,6 +43,11 @@ def test_effective_mode(requested, support, eager, kind, expected, reason):
 def test_without_piecewise_compilation():
     assert resolve_graph_mode(M.FULL_AND_PIECEWISE, S.ALWAYS, False,
                               piecewise_compilation=False)[0] == M.FULL_DECODE_ONLY
+    mode, why = resolve_graph_mode(M.FULL, S.UNIFORM_BATCH, False, piecewise_compilation=False,
+                                   backend="MLA attention")
+    assert mode == M.FULL_DECODE_ONLY
+    assert "the MLA attention backend runs only uniform decode batches inside FULL graphs, so " \
+        "mixed batches run eagerly" in why
     with pytest.raises(GraphModeError, match="PIECEWISE needs compilation mode VLLM_COMPILE"):
         resolve_graph_mode(M.PIECEWISE, S.ALWAYS, False, piecewise_compilation=False)
 

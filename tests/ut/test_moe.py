@@ -61,12 +61,12 @@ def test_a_routing_the_layer_does_not_build_fails_at_load_naming_the_layer():
 
     deepseek_like = SimpleNamespace(
         layer_name="model.layers.3.mlp.experts", scoring_func="sigmoid", use_grouped_topk=True,
-        custom_routing_function=None, e_score_correction_bias=object(),
+        num_expert_group=8, custom_routing_function=None, e_score_correction_bias=object(),
         apply_router_weight_on_input=False, activation=MoEActivation.SILU)
     method = SimpleNamespace(moe=SimpleNamespace(has_bias=False))
     with pytest.raises(ValueError, match=(
             r"model.layers.3.mlp.experts: vllm-ascend's MoE layer routes by softmax top-k to "
-            r"SwiGLU experts \(Qwen2-MoE, Qwen3-MoE\); this model uses sigmoid scores, grouped "
+            r"SwiGLU experts \(Qwen2-MoE, Qwen3-MoE, DeepSeek-V2\); this model uses sigmoid scores, grouped "
             r"top-k, a score-correction bias, which it does not build yet")):
         AscendUnquantizedFusedMoEMethod.process_weights_after_loading(method, deepseek_like)
 
@@ -83,15 +83,17 @@ def _weights():
             torch.randn(E, H, INTER, generator=g) / 4)
 
 
-def _reference(x, logits, renormalize, experts=range(E)):
+def _reference(x, logits, renormalize, experts=range(E), scale=1.0):
     """HF's MoE block in float32: softmax, top-k, optional renormalisation, each chosen expert's
-    SwiGLU MLP weighted by its probability; another rank's experts add 0."""
+    SwiGLU MLP weighted by its probability (times DeepSeek's routed_scaling_factor); another
+    rank's experts add 0."""
     import torch
 
     w13, w2 = _weights()
     probs, ids = torch.softmax(logits.float(), -1).topk(TOP_K, -1)
     if renormalize:
         probs = probs / probs.sum(-1, keepdim=True)
+    probs = probs * scale
     out = torch.zeros(x.shape)
     for t in range(x.shape[0]):
         for p, e in zip(probs[t], ids[t].tolist()):
@@ -101,7 +103,7 @@ def _reference(x, logits, renormalize, experts=range(E)):
     return out
 
 
-def _layer_experts(x, logits, renormalize, first=0, last=E):
+def _layer_experts(x, logits, renormalize, first=0, last=E, scale=1.0):
     """The product's expert computation (AscendUnquantizedFusedMoEMethod._experts) on a layer
     holding experts [first, last), with its weights as process_weights_after_loading leaves
     them (transposed to [E, K, N], bfloat16)."""
@@ -113,7 +115,7 @@ def _layer_experts(x, logits, renormalize, first=0, last=E):
 
     w13, w2 = _weights()
     layer = SimpleNamespace(
-        top_k=TOP_K, renormalize=renormalize, global_num_experts=E,
+        top_k=TOP_K, renormalize=renormalize, global_num_experts=E, routed_scaling_factor=scale,
         ascend_expert_range=(first, last),
         w13_weight=w13[first:last].transpose(1, 2).contiguous().to(torch.bfloat16),
         w2_weight=w2[first:last].transpose(1, 2).contiguous().to(torch.bfloat16))
@@ -138,6 +140,17 @@ def test_the_layer_is_hfs_mixture_of_experts(renormalize):
     out = _layer_experts(x, logits, renormalize)
     torch.testing.assert_close(out, _reference(x, logits, renormalize), atol=0.03, rtol=0.03)
     assert (out - _reference(x, logits, not renormalize)).abs().max() > 0.1
+
+
+def test_the_routed_scaling_factor_weighs_the_routed_experts():
+    """DeepSeek's routed_scaling_factor (vLLM's monolithic MoE leaves it to the method)."""
+    import torch
+
+    x, logits = _inputs()
+    out = _layer_experts(x, logits, False, scale=2.5)
+    torch.testing.assert_close(out, _reference(x, logits, False, scale=2.5), atol=0.05,
+                               rtol=0.03)
+    assert (out - _reference(x, logits, False)).abs().max() > 0.1
 
 
 def test_expert_parallel_ranks_add_up_even_when_a_rank_gets_one_pair_or_none():

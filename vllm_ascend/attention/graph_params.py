@@ -1,5 +1,8 @@
 """FIA graph parameters: what each attention layer's captured FIA call needs to be re-issued.
 
+Dense layers capture FIA v1 (attention/backend.py), MLA layers FIA v2 (attention/mla.py); each
+call keeps the overload it was captured with and how a step's metadata changes its arguments.
+
 At FULL capture every layer's FIA ``.out`` call runs inside a task group, after a wait on an
 ExternalEvent; its handle, event and the tensors it reads are kept per batch descriptor, with one
 workspace per descriptor. After each FULL replay is launched, ``update`` re-issues every layer's
@@ -18,19 +21,23 @@ from vllm_ascend.device import torch_npu
 
 @dataclasses.dataclass
 class FIACall:
-    """A captured FIA call. Its tensors are non-owning references (the graph owns them), as
-    upstream keeps them through torch_npu._C._weak_ref_tensor."""
+    """A captured FIA call (v1 for dense attention, v2 for MLA). Its tensors are non-owning
+    references (the graph owns them), as upstream keeps them through
+    torch_npu._C._weak_ref_tensor."""
     handle: Any  # the task group of the captured .out call
     event: Any  # the ExternalEvent the call waits on
-    query: torch.Tensor
+    op: Any  # the .out overload it was captured with
+    inputs: tuple  # (query, key, value)
     args: dict  # the captured call's other keyword arguments (caches, mask, lists, heads, ...)
     workspace: torch.Tensor
     out: torch.Tensor
     softmax_lse: torch.Tensor
+    step_args: Any  # metadata -> the keyword arguments a step changes (host lists, block table)
 
     def __post_init__(self):
         weak = torch_npu._C._weak_ref_tensor
-        self.query, self.workspace = weak(self.query), weak(self.workspace)
+        self.inputs = tuple(weak(t) for t in self.inputs)
+        self.workspace = weak(self.workspace)
         self.out, self.softmax_lse = weak(self.out), weak(self.softmax_lse)
         self.args = {k: weak(v) if isinstance(v, torch.Tensor) else v
                      for k, v in self.args.items()}
@@ -71,11 +78,8 @@ class GraphParams:
             for c in self.calls[key]:
                 torch_npu.npu.graph_task_update_begin(stream, c.handle)
                 # The captured call, with this step's host lists and block table.
-                args = dict(c.args, block_table=metadata.block_table,
-                            actual_seq_lengths=metadata.actual_seq_lengths_q,
-                            actual_seq_lengths_kv=metadata.seq_lens_list)
-                torch_npu.npu_fused_infer_attention_score.out(
-                    query=c.query, **args, workspace=c.workspace, out=[c.out, c.softmax_lse])
+                c.op(*c.inputs, **dict(c.args, **c.step_args(metadata)),
+                     workspace=c.workspace, out=[c.out, c.softmax_lse])
                 torch_npu.npu.graph_task_update_end(stream)
                 c.event.record(stream)
 

@@ -17,10 +17,12 @@ class GraphModeError(ValueError):
 
 def resolve_graph_mode(requested: CUDAGraphMode | None, support: AttentionCGSupport,
                        enforce_eager: bool, kind: ModelKind = ModelKind.DECODER,
-                       piecewise_compilation: bool = True) -> tuple[CUDAGraphMode, str]:
+                       piecewise_compilation: bool = True,
+                       backend: str = "attention") -> tuple[CUDAGraphMode, str]:
     """(effective mode, why). ``requested`` None means the default, FULL_AND_PIECEWISE as
     upstream; ``support`` is the attention builder's; ``piecewise_compilation`` is False when the
-    user turned compilation off (then PIECEWISE pieces do not exist)."""
+    user turned compilation off (then PIECEWISE pieces do not exist); ``backend`` names the
+    attention backend in the reasons."""
     if enforce_eager:
         return CUDAGraphMode.NONE, "enforce_eager is set"
     if requested is None:
@@ -51,10 +53,11 @@ def resolve_graph_mode(requested: CUDAGraphMode | None, support: AttentionCGSupp
         mode = CUDAGraphMode.PIECEWISE if (mode.has_piecewise_cudagraphs()
                                            or mode == CUDAGraphMode.FULL) and \
             piecewise_compilation else CUDAGraphMode.NONE
-        why += "; the attention backend cannot run inside a FULL graph"
+        why += f"; the {backend} backend cannot run inside a FULL graph"
     elif mode.mixed_mode() == CUDAGraphMode.FULL and support != AttentionCGSupport.ALWAYS:
         # Mixed prefill/decode batches need ALWAYS; decode batches keep their FULL graphs.
         mode = CUDAGraphMode.FULL_AND_PIECEWISE if piecewise_compilation else \
             CUDAGraphMode.FULL_DECODE_ONLY
-        why += "; the attention backend runs only decode batches inside FULL graphs"
+        why += (f"; the {backend} backend runs only uniform decode batches inside FULL graphs, "
+                f"so mixed batches run {'PIECEWISE' if piecewise_compilation else 'eagerly'}")
     return mode, why

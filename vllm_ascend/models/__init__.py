@@ -14,6 +14,9 @@ FAMILIES = {
     "Qwen3ForCausalLM": "vllm_ascend.models.qwen3:AscendQwen3ForCausalLM",
     "Qwen2MoeForCausalLM": "vllm_ascend.models.qwen2_moe:AscendQwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM": "vllm_ascend.models.qwen3_moe:AscendQwen3MoeForCausalLM",
+    "DeepseekV2ForCausalLM": "vllm_ascend.models.deepseek_v2:AscendDeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM": "vllm_ascend.models.deepseek_v2:AscendDeepseekV3ForCausalLM",
+    "DeepSeekMTPModel": "vllm_ascend.models.deepseek_mtp:AscendDeepSeekMTP",
 }
 
 

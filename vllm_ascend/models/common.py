@@ -5,15 +5,17 @@ import torch
 from vllm_ascend.ops.qkv import StepRope, split_qkv_norm_rope
 
 
-def attach_step_rope(model: torch.nn.Module, vllm_config) -> None:
+def attach_step_rope(model: torch.nn.Module, vllm_config, of_type: type = torch.nn.Module,
+                     half_layout: bool = False) -> None:
     """Give the model one set of step cos/sin buffers, made from its rotary table, which all its
-    attention layers share (``module.step_rope``; the runner fills it before each forward)."""
+    attention layers (the modules ``of_type`` with a ``rotary_emb``) share (``module.step_rope``;
+    the runner fills it before each forward). ``half_layout``: see StepRope.attach."""
     max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
     step_rope = StepRope()
     for module in model.modules():
         rope = getattr(module, "rotary_emb", None)
-        if rope is not None and hasattr(rope, "cos_sin_cache"):
-            step_rope.attach(rope, max_tokens, vllm_config.model_config.dtype)
+        if isinstance(module, of_type) and rope is not None and hasattr(rope, "cos_sin_cache"):
+            step_rope.attach(rope, max_tokens, vllm_config.model_config.dtype, half_layout)
             module.step_rope = step_rope
 
 

@@ -29,18 +29,22 @@ class StepRope:
         self.cos: torch.Tensor | None = None  # [1, max_num_tokens, 1, rot_dim]
         self.sin: torch.Tensor | None = None
 
-    def attach(self, rope, max_num_tokens: int, dtype: torch.dtype) -> None:
-        """Use ``rope``'s table; allocate the step buffers (once per model)."""
+    def attach(self, rope, max_num_tokens: int, dtype: torch.dtype,
+               half_layout: bool = False) -> None:
+        """Use ``rope``'s table; allocate the step buffers (once per model). ``half_layout``:
+        cos/sin in half (neox) layout whatever the rope's style, as the interleave-rope
+        operators take them (they de-interleave x themselves)."""
         cache = rope.cos_sin_cache
+        is_neox = half_layout or rope.is_neox_style
         if self.cache is not None and self.cache is not cache and not (
-                torch.equal(self.cache, cache) and self.is_neox == rope.is_neox_style):
+                torch.equal(self.cache, cache) and self.is_neox == is_neox):
             raise ValueError("vllm-ascend's fused RoPE expects one rotary table per model; "
                              "this model has layers with different RoPE parameters")
         if self.cache is None or self.cos.shape[1] < max_num_tokens:
             self.cos = torch.zeros(1, max_num_tokens, 1, cache.shape[-1], dtype=dtype,
                                    device=cache.device)
             self.sin = torch.zeros_like(self.cos)
-        self.cache, self.is_neox = cache, rope.is_neox_style
+        self.cache, self.is_neox = cache, is_neox
 
     def update(self, positions: torch.Tensor) -> None:
         if self.cache is None:

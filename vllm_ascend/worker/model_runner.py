@@ -11,7 +11,7 @@ from vllm.config import CUDAGraphMode
 from vllm.distributed import get_pp_group, get_tp_group
 from vllm.forward_context import get_forward_context
 from vllm.utils.platform_utils import is_pin_memory_available
-from vllm.v1.kv_cache_interface import AttentionSpec
+from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.utils import bind_kv_cache
 from vllm.v1.worker.workspace import lock_workspace
@@ -20,6 +20,7 @@ from vllm_ascend import device
 from vllm_ascend.compilation.acl_graph import GRAPH_STATE, ACLGraphWrapper, GraphHooks, GraphState
 from vllm_ascend.device import torch_npu
 from vllm_ascend.logger import get_logger
+from vllm_ascend.ops import mla  # noqa: F401  (registers the Ascend MLA layer)
 from vllm_ascend.ops.fused_moe import method as fused_moe  # (registers the MoE CustomOp)
 from vllm_ascend.ops.qkv import StepRope
 from vllm_ascend.worker.padding import StepPadding, decide_padding
@@ -127,7 +128,9 @@ class NPUModelRunner(GPUModelRunner):
                                     kv_cache_allocation_context=None) -> dict[str, torch.Tensor]:
         """Upstream views each layer's pages as interleaved K|V per head; FIA reads K and V as
         separate contiguous caches. Each layer gets one [2, num_blocks, block_size, kv_heads,
-        head_size] view of its region of the one backing allocation: K and V are its halves."""
+        head_size] view of its region of the one backing allocation: K and V are its halves.
+        An MLA layer gets [num_blocks, block_size, head_size], which its backend reads as
+        separate latent and rope caches (attention/mla.py)."""
         if not kv_cache_config.kv_cache_tensors:
             return {}
         sizes = {t.size for t in kv_cache_config.kv_cache_tensors}
@@ -145,8 +148,11 @@ class NPUModelRunner(GPUModelRunner):
                 if not isinstance(spec, AttentionSpec):
                     raise NotImplementedError(f"KV cache of {type(spec).__name__} layers is not "
                                               "supported by vllm-ascend")
-                shape = (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
-                nbytes = spec.dtype.itemsize * shape[1] * shape[2] * shape[3] * shape[4] * 2
+                if isinstance(spec, MLAAttentionSpec):
+                    shape = (num_blocks, spec.block_size, spec.head_size)
+                else:
+                    shape = (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
+                nbytes = spec.dtype.itemsize * int(np.prod(shape))
                 if tensor.layer_stride < nbytes:
                     raise ValueError(f"the KV cache layout does not give layer {name} a region "
                                      f"of its own ({tensor.layer_stride} < {nbytes} bytes)")

@@ -9,6 +9,7 @@ import sys
 import torch
 
 from vllm_ascend.device.sim import graph as _graph
+from vllm_ascend.device.sim import mla as _mla
 from vllm_ascend.device.sim import moe as _moe  # noqa: F401  (registers the MoE operators)
 from vllm_ascend.device.sim import npu  # noqa: F401  (torch_npu.npu, i.e. torch.npu)
 from vllm_ascend.device.sim import ops as _ops
@@ -91,6 +92,101 @@ def npu_scatter_pa_kv_cache(key, value, key_cache, value_cache, slot_mapping, *,
         raise NotImplementedError("npu_scatter_pa_kv_cache: compression is not simulated")
     torch.ops.ascend_sim.npu_scatter_pa_kv_cache(key, value, key_cache, value_cache,
                                                  slot_mapping, cache_mode=cache_mode)
+
+
+_FIA_V2 = torch.ops.ascend_sim.npu_fused_infer_attention_score_v2
+_FIA_V2_KEYWORDS = {a.name for a in _FIA_V2.default._schema.arguments if a.kwarg_only}
+# Keywords of torch_npu's FIA v2 that the MLA decode path leaves at their defaults.
+_FIA_V2_NOT_SIMULATED = {
+    "pse_shift", "dequant_scale_query", "dequant_scale_key", "dequant_scale_value",
+    "quant_scale_out", "quant_offset_out", "learnable_sink", "key_shared_prefix",
+    "value_shared_prefix", "actual_shared_prefix_len", "query_padding_size", "kv_padding_size",
+    "pre_tokens", "next_tokens", "inner_precise"}
+_FIA_V2_ZERO = {"query_quant_mode", "key_quant_mode", "value_quant_mode"}
+
+
+def _fia_v2_kwargs(op: str, kwargs: dict) -> dict:
+    kw = {}
+    for name, value in kwargs.items():
+        if name in _FIA_V2_NOT_SIMULATED or name in _FIA_V2_ZERO:
+            if value is not None and not (isinstance(value, int) and value in (0, 2147483647)):
+                raise NotImplementedError(f"{op}: {name} is not simulated")
+            continue
+        if name not in _FIA_V2_KEYWORDS:
+            raise TypeError(f"{op}() got an unexpected keyword argument '{name}'")
+        if name in ("actual_seq_qlen", "actual_seq_kvlen") and value is not None and (
+                not isinstance(value, (list, tuple))
+                or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)):
+            # Stricter than the chip, which also takes a 1-D host int tensor: host lists only.
+            raise TypeError(f"{op}(): argument '{name}' must be tuple of ints, not "
+                            f"{type(value).__name__}")
+        kw[name] = list(value) if isinstance(value, tuple) else value
+    return kw
+
+
+class _FusedInferAttentionScoreV2:
+    """torch_npu.npu_fused_infer_attention_score_v2 (the MLA path only), with ``.out`` for
+    graphs: issued between graph_task_update_begin/end, it re-parameterises the captured task."""
+
+    def __call__(self, query, key, value, **kwargs):
+        kw = _fia_v2_kwargs("npu_fused_infer_attention_score_v2", kwargs)
+        if npu.open_task_update() is not None:
+            raise RuntimeError("a task update re-issues the captured op: call "
+                               "npu_fused_infer_attention_score_v2.out, as at capture")
+        return _FIA_V2.default(query, key, value, **kw)
+
+    def out(self, query, key, value, *, out, workspace=None, **kwargs):
+        kw = _fia_v2_kwargs("npu_fused_infer_attention_score_v2.out", kwargs)
+        attention_out, softmax_lse = out
+        kw.update(workspace=workspace, attention_out=attention_out, softmax_lse=softmax_lse)
+        if npu.open_task_update() is not None:
+            npu.issue_task_update(_FIA_V2.out, (query, key, value), kw)
+            return attention_out, softmax_lse
+        return _FIA_V2.out(query, key, value, **kw)
+
+
+npu_fused_infer_attention_score_v2 = _FusedInferAttentionScoreV2()
+
+
+def _npu_fused_infer_attention_score_v2_get_max_workspace(query, key, value, **kwargs):
+    kw = _fia_v2_kwargs("_npu_fused_infer_attention_score_v2_get_max_workspace", kwargs)
+    _mla.check_fia_v2(query, key, value, kw.get("query_rope"), kw.get("key_rope"),
+                      kw.get("atten_mask"), kw.get("actual_seq_qlen"),
+                      kw.get("actual_seq_kvlen"), kw.get("block_table"),
+                      kw.get("num_query_heads", 1), kw.get("num_key_value_heads", 0),
+                      kw.get("input_layout", "BSH"), kw.get("sparse_mode", 0),
+                      kw.get("block_size", 0))
+    size = _mla.fia_v2_workspace_elements(query, kw["block_table"], kw.get("num_query_heads", 1))
+    return torch.empty(size, dtype=query.dtype, device=query.device)
+
+
+npu_interleave_rope = torch.ops.ascend_sim.npu_interleave_rope
+
+
+def npu_kv_rmsnorm_rope_cache(kv, gamma, cos, sin, index, k_cache, ckv_cache, *,
+                              k_rope_scale=None, c_kv_scale=None, k_rope_offset=None,
+                              c_kv_offset=None, epsilon=1e-5, cache_mode="Norm",
+                              is_output_kv=False):
+    """Returns (k_cache, ckv_cache, k_rope, c_kv): the updated caches, then, with is_output_kv,
+    the token's roped key part and normed latent ([B, 1, S, 64] and [B, 1, S, 512])."""
+    if any(v is not None for v in (k_rope_scale, c_kv_scale, k_rope_offset, c_kv_offset)):
+        raise NotImplementedError("npu_kv_rmsnorm_rope_cache: quantized caches are not "
+                                  "simulated")
+    k_rope, c_kv = torch.ops.ascend_sim.npu_kv_rmsnorm_rope_cache(
+        kv, gamma, cos, sin, index, k_cache, ckv_cache, epsilon=epsilon, cache_mode=cache_mode,
+        is_output_kv=is_output_kv)
+    return k_cache, ckv_cache, k_rope, c_kv
+
+
+def npu_transpose_batchmatmul(input, weight, *, bias=None, scale=None, perm_x1=None,
+                              perm_x2=None, perm_y=None, batch_split_factor=1):
+    if bias is not None or scale is not None or perm_x2 not in (None, [0, 1, 2], (0, 1, 2)) \
+            or batch_split_factor != 1:
+        raise NotImplementedError("npu_transpose_batchmatmul: bias, scale, perm_x2 and "
+                                  "batch_split_factor are not simulated")
+    return torch.ops.ascend_sim.npu_transpose_batchmatmul(
+        input, weight, perm_x1=list(perm_x1) if perm_x1 is not None else None,
+        perm_y=list(perm_y) if perm_y is not None else None)
 
 
 npu_moe_gating_top_k_softmax = torch.ops.ascend_sim.npu_moe_gating_top_k_softmax

@@ -162,6 +162,15 @@ def check_fia(query, key, value, atten_mask, actual_seq_lengths, actual_seq_leng
                 value.shape[1] != nkv:
             raise _fia_error(TILING_ERROR, f"When layout is TND, key/value must be [T, "
                              f"{nkv}, {d}], got {list(key.shape)} and {list(value.shape)}")
+        dv = value.shape[2]
+        if dv != d and not (d == 192 and dv == 128):  # F15: MLA's prefill, 192/128 only
+            raise _fia_error(TILING_ERROR, f"When layout is TND, queryD({d}) or keyD({d}) must "
+                             f"be 192, valueD({dv}) must be 192/128!")
+        if dv != d and query.dtype != torch.bfloat16:
+            # Upstream casts MLA's prefill to bfloat16: "FIA with TND layout only supports
+            # bfloat16" (mla_v1.py _forward_prefill); the stricter reading.
+            raise _fia_error(PARAM_INVALID, f"TND with queryD {d} and valueD {dv} takes "
+                             f"bfloat16 only, got {query.dtype}")
         if not (key.shape[0] == value.shape[0] == kv[-1]):
             raise _fia_error(TILING_ERROR, "When layout is TND and PA not enabled, "
                              f"keyT({key.shape[0]}) and valueT({value.shape[0]}) must be equal "
@@ -313,7 +322,8 @@ def _fia_impl(query, key, value, *, atten_mask=None, actual_seq_lengths=None,
               softmax_lse_flag=False):
     if softmax_lse_flag:
         raise _fia_error(TILING_ERROR, "softmax_lse_flag=True is not simulated")
-    out = torch.zeros_like(query)
+    out = query.new_zeros(*query.shape[:-1], value.shape[-1] if block_table is None
+                          else query.shape[-1])
     fia_kernel(query, key, value, atten_mask, actual_seq_lengths, actual_seq_lengths_kv,
                block_table, num_heads, scale, pre_tokens, next_tokens, input_layout,
                num_key_value_heads, sparse_mode, block_size, out)

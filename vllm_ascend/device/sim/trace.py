@@ -81,11 +81,17 @@ def install(torch_npu_module, npu_module) -> None:
     for name in ("_npu_fused_infer_attention_score_get_max_workspace", "npu_scatter_pa_kv_cache",
                  "npu_rms_norm", "npu_add_rms_norm", "npu_swiglu", "npu_rotary_mul", "npu_mrope",
                  "npu_moe_gating_top_k_softmax", "npu_moe_init_routing_v2", "npu_grouped_matmul",
-                 "npu_moe_token_unpermute"):
+                 "npu_moe_token_unpermute", "npu_interleave_rope", "npu_kv_rmsnorm_rope_cache",
+                 "npu_transpose_batchmatmul",
+                 "_npu_fused_infer_attention_score_v2_get_max_workspace"):
         setattr(torch_npu_module, name, traced(name, getattr(torch_npu_module, name)))
     fia = torch_npu_module.npu_fused_infer_attention_score
     type(fia).__call__ = _traced_method("npu_fused_infer_attention_score", type(fia).__call__)
     fia.out = traced("npu_fused_infer_attention_score.out", fia.out)
+    fia2 = torch_npu_module.npu_fused_infer_attention_score_v2
+    type(fia2).__call__ = _traced_method("npu_fused_infer_attention_score_v2",
+                                         type(fia2).__call__)
+    fia2.out = traced("npu_fused_infer_attention_score_v2.out", fia2.out)
     for name in ("graph_task_group_begin", "graph_task_group_end", "graph_task_update_begin",
                  "graph_task_update_end", "graph", "graph_pool_handle", "current_stream",
                  "stream", "synchronize", "is_current_stream_capturing"):

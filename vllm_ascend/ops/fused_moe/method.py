@@ -106,7 +106,8 @@ class AscendUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
     def process_weights_after_loading(self, layer) -> None:
         unsupported = [name for name, used in (
             (f"{layer.scoring_func} scores", layer.scoring_func != "softmax"),
-            ("grouped top-k", layer.use_grouped_topk),
+            # DeepSeek-V2 routes with grouped top-k over one group: plain top-k.
+            ("grouped top-k", layer.use_grouped_topk and (layer.num_expert_group or 1) > 1),
             ("a custom routing function", layer.custom_routing_function is not None),
             ("a score-correction bias", layer.e_score_correction_bias is not None),
             ("router weights applied to the input", layer.apply_router_weight_on_input),
@@ -115,7 +116,7 @@ class AscendUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
         if unsupported:
             raise ValueError(
                 f"{layer.layer_name}: vllm-ascend's MoE layer routes by softmax top-k to SwiGLU "
-                f"experts (Qwen2-MoE, Qwen3-MoE); this model uses "
+                f"experts (Qwen2-MoE, Qwen3-MoE, DeepSeek-V2); this model uses "
                 f"{', '.join(unsupported)}, which it does not build yet (docs/moe.md). Serve "
                 "one of those families.")
         super().process_weights_after_loading(layer)  # the OOT backend keeps the weights as is
@@ -148,6 +149,8 @@ class AscendUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
                                                                            k=top_k)
         if layer.renormalize:  # Qwen3-MoE's norm_topk_prob
             topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+        if layer.routed_scaling_factor != 1.0:  # DeepSeek's (vLLM's runner leaves it to us)
+            topk_weights = topk_weights * layer.routed_scaling_factor
         first, last = layer.ascend_expert_range
         if last - first < layer.global_num_experts:
             # Another rank computes the tokens routed to its experts: weigh them 0 here.
