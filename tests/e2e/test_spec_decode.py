@@ -1,7 +1,7 @@
-"""Speculative decoding in graph mode: n-gram, a draft model and an EAGLE head, with greedy
-output equal to HF transformers' (non-speculative) greedy output under the logprob-closeness
-rule, graph replays asserted for the verify step and the drafter, and vLLM's acceptance
-metrics read back."""
+"""Speculative decoding in graph mode: n-gram, a draft model, an EAGLE head and DeepSeek's MTP
+layers, with greedy output equal to HF transformers' (non-speculative) greedy output under the
+logprob-closeness rule, graph replays asserted for the verify step and the drafter, and vLLM's
+acceptance metrics read back."""
 
 import pytest
 
@@ -17,13 +17,17 @@ MAX_NUM_SEQS = 4
 # FULL (non-uniform verify batches in FULL graphs), a draft model eagerly (NONE), EAGLE in
 # PIECEWISE (verify steps in pieces) and FULL_DECODE_ONLY, like Qwen3's draft model (both with
 # a verify batch padded by whole fake requests). Qwen2 and Qwen3 run one method each.
+# DeepSeek-V3's MTP layer (MLA, verify steps on FIA's TND layout in FULL graphs) runs in
+# FULL_DECODE_ONLY with 1 and 2 tokens a step; its random weights draft tokens the target
+# rejects, so the output must not change.
 # (SmolLM2's n-gram acceptance on a repetitive prompt is measured by benchmarks/spec_decode.py.)
 CASES = ([("llama", "ngram", 3, "FULL"),
           ("llama", "draft_model", 2, "NONE"), ("llama", "draft_model", 2, "FULL_AND_PIECEWISE")]
          + [("llama", "eagle", 4, m) for m in ("PIECEWISE", "FULL_DECODE_ONLY",
                                                "FULL_AND_PIECEWISE")]
          + [("qwen2", "ngram", 1, "FULL_AND_PIECEWISE"),
-            ("qwen3", "draft_model", 1, "FULL_DECODE_ONLY")])
+            ("qwen3", "draft_model", 1, "FULL_DECODE_ONLY")]
+         + [("deepseek_v3_mtp", "mtp", k, "FULL_DECODE_ONLY") for k in (1, 2)])
 REPETITIVE = "1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2,"
 
 

@@ -136,9 +136,9 @@ class AscendAttentionImpl(AttentionImpl):
             return output.fill_(0)
         key_cache, value_cache = kv_caches_of(kv_cache)
         num_blocks, block_size = key_cache.shape[:2]
-        key = key_cache.view(num_blocks, block_size, -1)  # BnBsH, as FIA reads paged KV
-        value = value_cache.view(num_blocks, block_size, -1)
         fia_args = dict(
+            key=key_cache.view(num_blocks, block_size, -1),  # BnBsH, as FIA reads paged KV
+            value=value_cache.view(num_blocks, block_size, -1),
             atten_mask=attn_metadata.atten_mask, block_table=attn_metadata.block_table,
             input_layout="TND", block_size=block_size,
             actual_seq_lengths=attn_metadata.actual_seq_lengths_q,
@@ -148,13 +148,13 @@ class AscendAttentionImpl(AttentionImpl):
         if torch_npu.npu.is_current_stream_capturing():
             # Inside a FULL graph: the query is not sliced (the runner padded the metadata).
             n = attn_metadata.num_actual_tokens
-            self._capture_fia((query.view(n, self.num_heads, self.head_size), key, value),
+            self._capture_fia(query.view(n, self.num_heads, self.head_size),
                               output.view(n, self.num_heads, self.head_size), fia_args)
             return output
         # Eager, or between PIECEWISE pieces: the real tokens only.
         n = attn_metadata.num_actual_tokens
         attn_out, _ = torch_npu.npu_fused_infer_attention_score(
-            query[:n].view(n, self.num_heads, self.head_size), key, value, **fia_args)
+            query=query[:n].view(n, self.num_heads, self.head_size), **fia_args)
         output[:n].view(n, self.num_heads, self.head_size).copy_(attn_out)
         return output
 
@@ -165,16 +165,15 @@ class AscendAttentionImpl(AttentionImpl):
                     actual_seq_lengths=metadata.actual_seq_lengths_q,
                     actual_seq_lengths_kv=metadata.seq_lens_list)
 
-    def _capture_fia(self, inputs, out, fia_args) -> None:
+    def _capture_fia(self, query, out, fia_args) -> None:
         """Upstream's FULL-graph protocol: the .out call with a workspace that serves any
         lengths, in a task group whose handle the update re-issues, after a wait on an
         ExternalEvent that each update records."""
         fia_args = dict(fia_args, pre_tokens=NO_BAND, next_tokens=NO_BAND)
         graph_params = get_forward_context().no_compile_layers[GRAPH_STATE].fia
-        query = inputs[0]
+        fia_args = dict(fia_args, query=query)  # everything by keyword, as upstream
         workspace = graph_params.workspace(
-            lambda: torch_npu._npu_fused_infer_attention_score_get_max_workspace(
-                *inputs, **fia_args))
+            lambda: torch_npu._npu_fused_infer_attention_score_get_max_workspace(**fia_args))
         softmax_lse = torch.empty(1, dtype=query.dtype, device=query.device)
         stream = torch_npu.npu.current_stream()
         event = torch_npu.npu.ExternalEvent()
@@ -182,9 +181,9 @@ class AscendAttentionImpl(AttentionImpl):
         event.reset(stream)
         torch_npu.npu.graph_task_group_begin(stream)
         op = torch_npu.npu_fused_infer_attention_score.out
-        op(*inputs, **fia_args, workspace=workspace, out=[out, softmax_lse])
+        op(**fia_args, workspace=workspace, out=[out, softmax_lse])
         handle = torch_npu.npu.graph_task_group_end(stream)
-        graph_params.record(FIACall(handle=handle, event=event, op=op, inputs=inputs,
+        graph_params.record(FIACall(handle=handle, event=event, op=op, inputs=(),
                                     args=fia_args, workspace=workspace, out=out,
                                     softmax_lse=softmax_lse, step_args=self.step_args))
 

@@ -27,8 +27,8 @@ class FIACall:
     handle: Any  # the task group of the captured .out call
     event: Any  # the ExternalEvent the call waits on
     op: Any  # the .out overload it was captured with
-    inputs: tuple  # (query, key, value)
-    args: dict  # the captured call's other keyword arguments (caches, mask, lists, heads, ...)
+    inputs: tuple  # its positional tensors (v2: query, key, value; v1 takes all by keyword)
+    args: dict  # its keyword arguments (tensors, mask, host lists, heads, ...)
     workspace: torch.Tensor
     out: torch.Tensor
     softmax_lse: torch.Tensor

@@ -230,12 +230,13 @@ class AscendMLAImpl(MLAAttentionImpl):
         nope_cache, rope_cache = self.caches(layer.kv_cache)
         gamma, eps = kv_a_layernorm.weight, kv_a_layernorm.variance_epsilon
 
-        def kv_write(lo, hi, is_output_kv):
+        def kv_write(lo, hi):
+            """Norm, RoPE and scatter tokens lo..hi into the caches; returns the caches."""
             t = hi - lo
             return torch_npu.npu_kv_rmsnorm_rope_cache(
                 kv_no_split[lo:hi].view(t, 1, 1, -1), gamma, cos[lo:hi], sin[lo:hi],
-                slots[lo:hi].to(torch.int64), rope_cache, nope_cache, epsilon=eps,
-                cache_mode="PA", is_output_kv=is_output_kv)
+                slots[lo:hi].to(torch.int64), rope_cache, nope_cache, c_kv_scale=None,
+                epsilon=eps, cache_mode="PA")[:2]
 
         def q_rope(lo, hi):
             t = hi - lo
@@ -244,14 +245,14 @@ class AscendMLAImpl(MLAAttentionImpl):
                                                  cos[lo:hi], sin[lo:hi]).view(t, self.num_heads, -1)
 
         if nd:
-            k_pe, k_nope, _, _ = kv_write(0, nd, False)
+            k_pe, k_nope = kv_write(0, nd)
             # Absorb W_UK: (N, B, P) x (N, P, L) -> (B, N, L), as upstream.
             ql_nope = torch.bmm(q[:nd, :, : self.qk_nope_head_dim].transpose(0, 1),
                                 layer.W_UK_T).transpose(0, 1)
             out = self._forward_decode(layer, ql_nope, q_rope(0, nd), k_nope, k_pe, m.decode)
             output[:nd].copy_(out)
         if m.num_prefills:
-            kv_write(nd, na, False)
+            kv_write(nd, na)
             p = m.prefill
             # Each prefill request's whole sequence, context included, from the caches.
             latent = nope_cache.view(-1, self.kv_lora_rank).index_select(0, p.kv_slots)

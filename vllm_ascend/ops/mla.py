@@ -21,10 +21,12 @@ from vllm_ascend.ops.qkv import StepRope
 class AscendMLAAttention(MLAAttention):
     def process_weights_after_loading(self, act_dtype: torch.dtype):
         # vLLM keeps W_UK_T and W_UV as transposed views; the NPU matmuls take them contiguous
-        # (upstream makes them so), in place so that graphs keep their addresses on reload.
+        # (upstream makes them so). On a reload vLLM copies into them in place, so graphs keep
+        # their addresses and they stay contiguous.
         super().process_weights_after_loading(act_dtype)
         for name in ("W_UK_T", "W_UV"):
-            replace_parameter(self, name, getattr(self, name).contiguous(), prefer_copy=True)
+            if not getattr(self, name).is_contiguous():
+                replace_parameter(self, name, getattr(self, name).contiguous())
 
 
 @MultiHeadLatentAttentionWrapper.register_oot

@@ -142,6 +142,7 @@ def _transpose_batchmatmul_impl(input, weight, *, perm_x1=None, perm_y=None):
     if input.dtype not in FIA_DTYPES or weight.dtype != input.dtype:
         raise err(PARAM_INVALID, f"input and weight must share one dtype, bfloat16 or float16 "
                   f"(got {input.dtype}, {weight.dtype})")
+    _require_contiguous(err, input=input, weight=weight)
     if perm_x1 not in ([0, 1, 2], [1, 0, 2]) or perm_y != [1, 0, 2]:
         raise err(PARAM_INVALID, f"perm_x1 must be [0, 1, 2] or [1, 0, 2] and perm_y "
                   f"[1, 0, 2], got {perm_x1} and {perm_y}")
