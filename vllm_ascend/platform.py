@@ -225,12 +225,12 @@ class NPUPlatform(Platform):
         cls._apply_graph_mode(vllm_config)
         if compilation_config.mode == CompilationMode.VLLM_COMPILE:
             # The Ascend MLA layer's attention op splits PIECEWISE graphs like vLLM's attention
-            # ops (vLLM fills splitting_ops from its own list after this hook).
-            from vllm.config import CompilationConfig
-
+            # ops. vLLM fills splitting_ops only after this hook: fill them now, as upstream
+            # vllm-ascend does, and add it.
+            compilation_config.set_splitting_ops_for_v1(
+                all2all_backend=parallel_config.all2all_backend,
+                data_parallel_size=parallel_config.data_parallel_size)
             ops = compilation_config.splitting_ops
-            if ops is None:
-                ops = compilation_config.splitting_ops = list(CompilationConfig._attention_ops)
             if ops and MLA_OP not in ops:
                 ops.append(MLA_OP)
         # The CUDA-only fusion passes must stay off on this platform.

@@ -1,10 +1,10 @@
 """DeepSeek's multi-head latent attention in graph mode: a tiny dense-MLA DeepSeek-V2 loads
 through the plugin's family file, runs on the ASCEND_MLA backend and generates close to HF
 transformers in NONE, PIECEWISE, FULL_DECODE_ONLY and FULL (which MLA runs as
-FULL_AND_PIECEWISE, saying so), with its graph replays counted. Prefill with context (a chunked
-prompt's later chunks, a prefix-cache hit) reads earlier tokens from the latent cache.
-DeepSeek-V2 with MoE layers: test_moe.py (graph modes), test_serve.py (DP=2 x TP=2, EP=4).
-MTP: test_spec_decode.py."""
+FULL_AND_PIECEWISE, saying so), with its graph replays counted; so does one with MoE layers in
+the modes with FULL graphs. Prefill with context (a chunked prompt's later chunks, a prefix-cache
+hit) reads earlier tokens from the latent cache. DeepSeek-V2 with MoE layers over DP=2 x TP=2
+with EP=4: test_serve.py. MTP: test_spec_decode.py."""
 
 import pytest
 from vllm import SamplingParams
@@ -13,39 +13,43 @@ from tests.e2e.conftest import (check_logprobs_close, engine, expected_replays, 
                                 MAX_TOKENS, loaded_class, model_path, platform_log, replays,
                                 TOPK, vllm_greedy)
 
-FAMILY = "deepseek_v2"
 CAPTURE_SIZES = [1, 2, 4, 8, 16]
 PROMPTS = ["Hi there", "The capital of France is a city that"]
-# (requested, runs as, dtype): both of FIA's dtypes.
-MODES = [("NONE", "NONE", "bfloat16"), ("PIECEWISE", "PIECEWISE", "bfloat16"),
-         ("FULL_DECODE_ONLY", "FULL_DECODE_ONLY", "float16"),
-         ("FULL", "FULL_AND_PIECEWISE", "bfloat16")]
+# (family, requested, runs as, dtype): dense MLA in every mode, in both of FIA's dtypes; with
+# MoE layers (float16, docs/moe.md#tests-and-figures) in the two modes with FULL graphs. The
+# MoE model in NONE and PIECEWISE, by hand: scripts/check_parallel.py --family deepseek_v2_moe.
+CASES = [("deepseek_v2", "NONE", "NONE", "bfloat16"),
+         ("deepseek_v2", "PIECEWISE", "PIECEWISE", "bfloat16"),
+         ("deepseek_v2", "FULL_DECODE_ONLY", "FULL_DECODE_ONLY", "float16"),
+         ("deepseek_v2", "FULL", "FULL_AND_PIECEWISE", "bfloat16"),
+         ("deepseek_v2_moe", "FULL_DECODE_ONLY", "FULL_DECODE_ONLY", "float16"),
+         ("deepseek_v2_moe", "FULL", "FULL_AND_PIECEWISE", "float16")]
 MAX_BATCHED = 128  # a prompt of ~300 tokens is prefilled in three chunks
 FALLBACK = ("graph mode FULL_AND_PIECEWISE (configured FULL): as configured (vLLM's default unless "
             "set); the MLA attention backend runs only uniform decode batches inside FULL graphs, "
             "so mixed batches run PIECEWISE")
 
 
-@pytest.fixture(scope="module", params=MODES, ids=lambda m: m[0])
+@pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0]}-{c[1]}")
 def mla_llm(request):
-    requested, mode, dtype = request.param
+    family, requested, mode, dtype = request.param
     compilation = {"cudagraph_mode": requested, "cudagraph_capture_sizes": CAPTURE_SIZES}
     with platform_log() as log, engine(
-            model_path(FAMILY), max_num_seqs=4, enforce_eager=requested == "NONE", dtype=dtype,
+            model_path(family), max_num_seqs=4, enforce_eager=requested == "NONE", dtype=dtype,
             max_num_batched_tokens=MAX_BATCHED, enable_prefix_caching=True,
             compilation_config=compilation) as llm:
-        yield requested, mode, dtype, llm, list(log)
+        yield family, requested, mode, dtype, llm, list(log)
 
 
 def test_mla_generates_close_to_hf_with_graph_replays(mla_llm):
-    requested, mode, dtype, llm, log = mla_llm
+    family, requested, mode, dtype, llm, log = mla_llm
     assert loaded_class(llm) == "AscendDeepseekV2ForCausalLM"
     assert llm.llm_engine.vllm_config.compilation_config.cudagraph_mode.name == mode
     with replays(llm) as made:
         outs = vllm_greedy(llm, PROMPTS, MAX_TOKENS)
     for prompt, out in zip(PROMPTS, outs):
-        check_logprobs_close(hf_greedy(model_path(FAMILY), prompt, MAX_TOKENS), out,
-                             f"MLA {requested} {prompt!r}", dtype=dtype)
+        check_logprobs_close(hf_greedy(model_path(family), prompt, MAX_TOKENS), out,
+                             f"{family} {requested} {prompt!r}", dtype=dtype)
     assert len(made["steps"]) >= MAX_TOKENS, made
     assert made["replayed"] == expected_replays(mode, made["steps"], 2, max(CAPTURE_SIZES)), made
     kinds = {"NONE": set(), "PIECEWISE": {"PIECEWISE"}, "FULL_DECODE_ONLY": {"FULL"},
@@ -64,8 +68,8 @@ def test_prefill_with_context_reads_the_latent_cache(mla_llm):
     """A ~300-token prompt is prefilled in 128-token chunks (the later ones attend to the
     earlier ones' latents in the cache), then asked again: vLLM finds its first two blocks in
     the prefix cache and prefills only the rest. Both close to HF."""
-    requested, mode, dtype, llm, _ = mla_llm
-    if requested not in ("PIECEWISE", "FULL"):
+    family, requested, mode, dtype, llm, _ = mla_llm
+    if family != "deepseek_v2" or requested not in ("PIECEWISE", "FULL"):
         pytest.skip("the prefill path is the same in every mode; checked in two of them")
     prompt = long_prompt()
     assert len(llm.get_tokenizer()(prompt).input_ids) > 2 * MAX_BATCHED
@@ -74,7 +78,7 @@ def test_prefill_with_context_reads_the_latent_cache(mla_llm):
         first, second = (llm.generate([prompt], params, use_tqdm=False)[0] for _ in range(2))
     assert (MAX_BATCHED, 1) in made["steps"], made  # chunks of 128 tokens
     assert second.num_cached_tokens >= 256
-    reference = hf_greedy(model_path(FAMILY), prompt, 8)
+    reference = hf_greedy(model_path(family), prompt, 8)
     for label, out in (("chunked", first), ("prefix-cached", second)):
         pair = (list(out.outputs[0].token_ids),
                 [{t: lp.logprob for t, lp in step.items()} for step in out.outputs[0].logprobs])

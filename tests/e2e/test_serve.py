@@ -1,6 +1,7 @@
-"""`vllm serve` as users run it at scale, on 127.0.0.1: a tiny Qwen3-MoE with data parallelism
-over tensor parallelism and expert parallelism over both (DP=2 x TP=2, EP=4: four workers, two
-experts each), in the default graph mode. vLLM runs MoE data-parallel engines in lockstep: every
+"""`vllm serve` as users run it at scale, on 127.0.0.1: a tiny DeepSeek-V2 (MLA attention, a
+dense layer then an MoE layer with a shared expert) with data parallelism over tensor
+parallelism and expert parallelism over both (DP=2 x TP=2, EP=4: four workers, two experts
+each), in the default graph mode. vLLM runs MoE data-parallel engines in lockstep: every
 step, both agree on one graph mode and one padded token count, and an engine without requests
 runs a dummy batch, since every MoE layer all-gathers all ranks' tokens. The OpenAI endpoints
 answer as HF transformers (TP=1) does, under the logprob-closeness rule, with graphs replayed;
@@ -22,10 +23,11 @@ from tests.e2e.conftest import (TOPK, check_logprobs_close, hf_greedy, model_pat
                                 served_completion, served_graph_counts, served_rpc, token_id,
                                 vllm_server)
 
-FAMILY = "qwen3_moe"
+FAMILY = "deepseek_v2_moe"
 DTYPE = "float16"
-NAME = "tiny-qwen3-moe"
+NAME = "tiny-deepseek-v2-moe"
 LAYERS = 2  # the tiny models'
+MOE_LAYERS = 1  # its second layer (first_k_dense_replace 1)
 TOKENS = 16
 MAX_NUM_SEQS = 16
 RANK_0 = {"X-data-parallel-rank": "0"}
@@ -112,9 +114,11 @@ def test_start_up_log_says_graph_mode_kept_sizes_graphs_streams_and_memory(serve
         assert [int(x) for x in piecewise.split(",")] == sizes
         assert full_sizes == [s for s in sizes if s <= MAX_NUM_SEQS]  # decode: <= max_num_seqs
         assert int(graphs) == (LAYERS + 1) * len(sizes) + len(full_sizes)
-        # The first piece (the embedding's TP all-reduce, no MoE layer) holds 2 streams; every
-        # other piece and each FULL graph holds 3 (one MoE layer or more: the EP group too).
-        assert int(streams) == (2 + 3 * LAYERS) * len(sizes) + 3 * len(full_sizes)
+        # A piece holds 2 streams (its own and its TP group's) when no MoE layer is in it: the
+        # first (the embedding's all-reduce) and the dense layer's; 3 with the MoE layer (the EP
+        # group too), as does each FULL graph.
+        pieces = 2 * (1 + LAYERS - MOE_LAYERS) + 3 * MOE_LAYERS
+        assert int(streams) == pieces * len(sizes) + 3 * len(full_sizes)
     for counts in served_graph_counts(base):  # DP engine 0's two workers
         assert sum(counts["captured"].values()) == int(summaries[0][1])
     # Outside torch: each worker's TP, DP and EP communicators, 2 x HCCL_BUFFSIZE (16 MB) each;
