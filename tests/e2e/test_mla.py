@@ -2,7 +2,7 @@
 through the plugin's family file, runs on the ASCEND_MLA backend and generates close to HF
 transformers in NONE, PIECEWISE, FULL_DECODE_ONLY and FULL (which MLA runs as
 FULL_AND_PIECEWISE, saying so), with its graph replays counted; so does one with MoE layers in
-the modes with FULL graphs. Prefill with context (a chunked prompt's later chunks, a prefix-cache
+FULL_DECODE_ONLY. Prefill with context (a chunked prompt's later chunks, a prefix-cache
 hit) reads earlier tokens from the latent cache. DeepSeek-V2 with MoE layers over DP=2 x TP=2
 with EP=4: test_serve.py. MTP: test_spec_decode.py."""
 
@@ -16,14 +16,14 @@ from tests.e2e.conftest import (check_logprobs_close, engine, expected_replays, 
 CAPTURE_SIZES = [1, 2, 4, 8, 16]
 PROMPTS = ["Hi there", "The capital of France is a city that"]
 # (family, requested, runs as, dtype): dense MLA in every mode, in both of FIA's dtypes; with
-# MoE layers (float16, docs/moe.md#tests-and-figures) in the two modes with FULL graphs. The
-# MoE model in NONE and PIECEWISE, by hand: scripts/check_parallel.py --family deepseek_v2_moe.
+# MoE layers (float16, docs/moe.md#tests-and-figures) in FULL_DECODE_ONLY here and
+# FULL_AND_PIECEWISE in test_serve.py. The MoE model in the other modes, by hand:
+# `python scripts/check_parallel.py --family deepseek_v2_moe --dtype float16` (docs/mla.md).
 CASES = [("deepseek_v2", "NONE", "NONE", "bfloat16"),
          ("deepseek_v2", "PIECEWISE", "PIECEWISE", "bfloat16"),
          ("deepseek_v2", "FULL_DECODE_ONLY", "FULL_DECODE_ONLY", "float16"),
          ("deepseek_v2", "FULL", "FULL_AND_PIECEWISE", "bfloat16"),
-         ("deepseek_v2_moe", "FULL_DECODE_ONLY", "FULL_DECODE_ONLY", "float16"),
-         ("deepseek_v2_moe", "FULL", "FULL_AND_PIECEWISE", "float16")]
+         ("deepseek_v2_moe", "FULL_DECODE_ONLY", "FULL_DECODE_ONLY", "float16")]
 MAX_BATCHED = 128  # a prompt of ~300 tokens is prefilled in three chunks
 FALLBACK = ("graph mode FULL_AND_PIECEWISE (configured FULL): as configured (vLLM's default unless "
             "set); the MLA attention backend runs only uniform decode batches inside FULL graphs, "
@@ -69,8 +69,9 @@ def test_prefill_with_context_reads_the_latent_cache(mla_llm):
     earlier ones' latents in the cache), then asked again: vLLM finds its first two blocks in
     the prefix cache and prefills only the rest. Both close to HF."""
     family, requested, mode, dtype, llm, _ = mla_llm
-    if family != "deepseek_v2" or requested not in ("PIECEWISE", "FULL"):
-        pytest.skip("the prefill path is the same in every mode; checked in two of them")
+    if family != "deepseek_v2" or requested != "PIECEWISE":
+        pytest.skip("the prefill path is the same in every mode (eager, or between pieces); "
+                    "checked in PIECEWISE")
     prompt = long_prompt()
     assert len(llm.get_tokenizer()(prompt).input_ids) > 2 * MAX_BATCHED
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=TOPK)
