@@ -72,7 +72,8 @@ def in_process(multiprocess: bool = False):
     # vLLM's start-up collects garbage a dozen times; in this long-lived process each full
     # collection walks every test's objects (HF references included). Freeze what lives now, as
     # vLLM freezes its own start-up heap, so that those collections walk the new engine only.
-    gc.collect()
+    # (No full collection first: it walked the whole heap, 0.5 s and more an engine; garbage
+    # frozen now is collected with the engine's, after the unfreeze.)
     gc.freeze()
     try:
         with pytest.MonkeyPatch.context() as env:  # read when the LLM is made; not left behind
@@ -80,7 +81,8 @@ def in_process(multiprocess: bool = False):
             yield
     finally:
         # An in-process engine core caches vLLM's environment at its start (for serving); undo
-        # that, and the heap freeze, so that the engine's garbage is collected.
+        # that, and the heap freeze (vLLM's own freezes the engine too), so that the engine's
+        # garbage is collected.
         envs.disable_envs_cache()
         gc.unfreeze()
         gc.collect()

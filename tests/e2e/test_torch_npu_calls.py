@@ -1,10 +1,10 @@
 """Every torch_npu call the engine makes, checked against upstream vllm-ascend's call sites.
 
-Two engines of a tiny Qwen3-MoE run with the simulator's call log on: an eager one (every op called from Python) and
-one in FULL_AND_PIECEWISE (attention eager between pieces, FIA captured in FULL graphs and updated
-every step; its compiled pieces call their ops directly, unlogged); a third, of a tiny
-DeepSeek-V2 in FULL_AND_PIECEWISE, makes the MLA calls. Each distinct call shape must
-match the table below, written from ../shared/TORCH_NPU_CONTRACTS.md (op name, positional
+Two engines of a tiny Qwen3-MoE run with the simulator's call log on: an eager one (every op
+called from Python) and one in FULL_AND_PIECEWISE (attention eager between pieces, FIA captured
+in FULL graphs and updated every step; its compiled pieces call their ops directly, unlogged); a
+third, of a tiny DeepSeek-V2 in FULL_AND_PIECEWISE, makes the MLA calls. Each distinct call shape
+must match the table below, written from ../shared/TORCH_NPU_CONTRACTS.md (op name, positional
 count, keyword names, dtypes, ranks, contiguity), and every API of the table must be used.
 """
 

@@ -66,8 +66,8 @@ def test_a_routing_the_layer_does_not_build_fails_at_load_naming_the_layer():
     method = SimpleNamespace(moe=SimpleNamespace(has_bias=False))
     with pytest.raises(ValueError, match=(
             r"model.layers.3.mlp.experts: vllm-ascend's MoE layer routes by softmax top-k to "
-            r"SwiGLU experts \(Qwen2-MoE, Qwen3-MoE, DeepSeek-V2\); this model uses sigmoid scores, grouped "
-            r"top-k, a score-correction bias, which it does not build yet")):
+            r"SwiGLU experts \(Qwen2-MoE, Qwen3-MoE, DeepSeek-V2\); this model uses sigmoid "
+            r"scores, grouped top-k, a score-correction bias, which it does not build yet")):
         AscendUnquantizedFusedMoEMethod.process_weights_after_loading(method, deepseek_like)
 
 

@@ -28,6 +28,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 import torch.nn.functional as F
+from vllm.config import get_current_vllm_config
 from vllm.forward_context import get_forward_context
 from vllm.v1.attention.backend import (
     AttentionBackend,
@@ -204,7 +205,8 @@ class AscendMLAImpl(MLAAttentionImpl):
         self.kv_b_proj = kv_b_proj
         # FIA's MLA path takes a power-of-two head count: pad the query heads, as upstream.
         self.num_heads_padded = 1 << (num_heads - 1).bit_length()
-        self.speculative = False  # set by the layer (TND decode under speculative decoding)
+        # Speculative decoding's verify steps have several tokens a request: TND, as upstream.
+        self.speculative = get_current_vllm_config().speculative_config is not None
         self.dcp_world_size = 1
 
     def forward_mqa(self, q, kv_c_and_k_pe_cache, attn_metadata, layer):
@@ -241,8 +243,9 @@ class AscendMLAImpl(MLAAttentionImpl):
         def q_rope(lo, hi):
             t = hi - lo
             q_pe = q[lo:hi, :, self.qk_nope_head_dim:].contiguous()
-            return torch_npu.npu_interleave_rope(q_pe.view(t, self.num_heads, 1, -1),
-                                                 cos[lo:hi], sin[lo:hi]).view(t, self.num_heads, -1)
+            roped = torch_npu.npu_interleave_rope(q_pe.view(t, self.num_heads, 1, -1),
+                                                  cos[lo:hi], sin[lo:hi])
+            return roped.view(t, self.num_heads, -1)
 
         if nd:
             k_pe, k_nope = kv_write(0, nd)

@@ -42,7 +42,6 @@ class AscendMultiHeadLatentAttention(MultiHeadLatentAttentionWrapper):
                          v_head_dim, q_lora_rank, kv_lora_rank, mla_modules, cache_config,
                          quant_config, prefix, **kwargs)
         self.mla_attn.__class__ = AscendMLAAttention  # adds no state: see above
-        self.mla_attn.impl.speculative = self.mla_attn._vllm_config.speculative_config is not None
         self.step_rope: StepRope | None = None  # the model's (models/common.py), half layout
         self.layer_name = f"{prefix}.mla"
         context = self.mla_attn._vllm_config.compilation_config.static_forward_context
