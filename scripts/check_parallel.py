@@ -63,7 +63,7 @@ def main() -> None:
                         help="float16 for MoE models across ranks (docs/moe.md#tests-and-figures)")
     parser.add_argument("--enable-expert-parallel", action="store_true",
                         help="split a mixture-of-experts model's experts over the ranks")
-    parser.add_argument("--modes", nargs="+", default=MODES, choices=MODES)
+    parser.add_argument("--modes", nargs="+", default=MODES, choices=["NONE"] + MODES)
     parser.add_argument("--speculative", choices=["ngram", "draft_model", "eagle", "mtp"],
                         help="speculative decoding with this method")
     parser.add_argument("--num-speculative-tokens", type=int, default=3)

@@ -1,7 +1,7 @@
-"""Graph modes through the real engine: each family equals HF transformers (and so eager), for
-batches that hit a capture size, fall between sizes (padding) and exceed the largest (no graph:
-the eager path), and for a prefill that fits a graph; every check also counts the graphs that
-replayed, so an eager fallback fails it."""
+"""Graph modes through the real engine, on the tiny Llama: it equals HF transformers (and so
+eager), for batches that hit a capture size, fall between sizes (padding) and exceed the largest
+(no graph: the eager path), and for a prefill that fits a graph; every check also counts the
+graphs that replayed, so an eager fallback fails it."""
 
 import pytest
 
@@ -16,15 +16,12 @@ MODES = ["PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]
 MAX_NUM_SEQS = 8
 # Llama in PIECEWISE, FULL and FULL_AND_PIECEWISE: what a mode does is family-independent (the
 # family's model file runs inside the same graphs), and FULL_DECODE_ONLY's graphs are
-# FULL_AND_PIECEWISE's FULL ones (Qwen3-MoE runs it, in test_moe.py). SmolLM2's real weights in
-# FULL_AND_PIECEWISE, where it replays both kinds of graph and runs eagerly above the largest
-# size, with the checks its real weights can change (closeness at a capture size and above the
-# largest one, the ledger); the other checks are graph mechanics, run on Llama. The Qwen families
-# against HF: test_spec_decode.py (Qwen2 and Qwen3, in graph modes) and test_moe.py (Qwen3-MoE in
-# every mode in float16, the other dtype FIA computes in; Qwen2-MoE).
-CASES = [("llama", m) for m in MODES if m != "FULL_DECODE_ONLY"] + \
-    [("smollm2", "FULL_AND_PIECEWISE")]
-MECHANICS_ONLY = "graph mechanics: run on Llama"
+# FULL_AND_PIECEWISE's FULL ones (Qwen3-MoE runs it, in test_moe.py). The Qwen families against
+# HF: test_spec_decode.py (Qwen2 and Qwen3, in graph modes) and test_moe.py (Qwen3-MoE in
+# float16, the other dtype FIA computes in); DeepSeek: test_mla.py. SmolLM2's real weights in
+# graph mode: the demo (test_fresh_machine.py), and by hand against HF with
+# `python scripts/check_parallel.py --family smollm2` (docs/testing.md).
+CASES = [("llama", m) for m in MODES if m != "FULL_DECODE_ONLY"]
 DTYPES: dict[str, str] = {}
 
 
@@ -88,8 +85,6 @@ def test_graphs_captured_per_piece_and_size_on_our_backend(graph_llm):
 
 def test_short_prefill_replays_a_graph_where_the_mode_has_one(graph_llm):
     family, mode, llm = graph_llm
-    if family == "smollm2":
-        pytest.skip(MECHANICS_ONLY)
     made = check(llm, family, mode, [SHORT], f"{mode} short")
     assert made["steps"][0] == (2, 1), made  # the prefill: 2 tokens, 1 request
     if mode != "FULL_DECODE_ONLY":  # a prefill is not a uniform decode batch
@@ -98,16 +93,12 @@ def test_short_prefill_replays_a_graph_where_the_mode_has_one(graph_llm):
 
 def test_batch_between_capture_sizes_is_padded_and_equals_hf(graph_llm):
     family, mode, llm = graph_llm
-    if family == "smollm2":
-        pytest.skip(MECHANICS_ONLY)
     made = check(llm, family, mode, PROMPTS, f"{mode} 3->4")  # 3 decodes padded to size 4
     assert (3, 3) in made["steps"] and made["replayed"]
 
 
 def test_one_request_replays_a_graph_every_decode_step(graph_llm):
     family, mode, llm = graph_llm
-    if family == "smollm2":
-        pytest.skip(MECHANICS_ONLY)
     made = check(llm, family, mode, ["Question 0: what comes after 0?"], f"{mode} 1")
     # A deterministic schedule: one prefill (above every size), then one decode per token.
     n = MAX_TOKENS
