@@ -24,7 +24,6 @@ from vllm.forward_context import get_forward_context
 from vllm.v1.attention.backends.registry import register_backend
 from vllm.v1.kv_cache_interface import KVCacheLayout
 
-from vllm_ascend.attention.graph_params import FIACall
 from vllm_ascend.compilation.acl_graph import GRAPH_STATE
 from vllm_ascend.device import torch_npu
 
@@ -166,26 +165,13 @@ class AscendAttentionImpl(AttentionImpl):
                     actual_seq_lengths_kv=metadata.seq_lens_list)
 
     def _capture_fia(self, query, out, fia_args) -> None:
-        """Upstream's FULL-graph protocol: the .out call with a workspace that serves any
-        lengths, in a task group whose handle the update re-issues, after a wait on an
-        ExternalEvent that each update records."""
-        fia_args = dict(fia_args, pre_tokens=NO_BAND, next_tokens=NO_BAND)
-        graph_params = get_forward_context().no_compile_layers[GRAPH_STATE].fia
-        fia_args = dict(fia_args, query=query)  # everything by keyword, as upstream
-        workspace = graph_params.workspace(
-            lambda: torch_npu._npu_fused_infer_attention_score_get_max_workspace(**fia_args))
-        softmax_lse = torch.empty(1, dtype=query.dtype, device=query.device)
-        stream = torch_npu.npu.current_stream()
-        event = torch_npu.npu.ExternalEvent()
-        event.wait(stream)
-        event.reset(stream)
-        torch_npu.npu.graph_task_group_begin(stream)
-        op = torch_npu.npu_fused_infer_attention_score.out
-        op(**fia_args, workspace=workspace, out=[out, softmax_lse])
-        handle = torch_npu.npu.graph_task_group_end(stream)
-        graph_params.record(FIACall(handle=handle, event=event, op=op, inputs=(),
-                                    args=fia_args, workspace=workspace, out=out,
-                                    softmax_lse=softmax_lse, step_args=self.step_args))
+        """Upstream's FULL-graph protocol (graph_params.GraphParams.capture), with the .out call
+        and a workspace that serve any lengths; everything by keyword, as upstream."""
+        fia_args = dict(fia_args, query=query, pre_tokens=NO_BAND, next_tokens=NO_BAND)
+        get_forward_context().no_compile_layers[GRAPH_STATE].fia.capture(
+            torch_npu.npu_fused_infer_attention_score.out, (), fia_args, out,
+            lambda: torch_npu._npu_fused_infer_attention_score_get_max_workspace(**fia_args),
+            self.step_args)
 
 
 class AscendAttentionBackend(AttentionBackend):

@@ -66,8 +66,24 @@ class GraphParams:
             self.workspaces[key] = make()
         return self.workspaces[key]
 
-    def record(self, call: FIACall) -> None:
-        self.calls[self._capturing_key].append(call)
+    def capture(self, op, inputs: tuple, args: dict, out: torch.Tensor, make_workspace,
+                step_args) -> None:
+        """Upstream's FULL-graph protocol for one layer's FIA call (``op``, the ``.out``
+        overload): the capture size's workspace (``make_workspace()`` the first time), a wait on
+        an ExternalEvent that each update records, the call in a task group whose handle the
+        update re-issues; ``step_args(metadata)`` gives what a step changes."""
+        workspace = self.workspace(make_workspace)
+        softmax_lse = torch.empty(1, dtype=out.dtype, device=out.device)
+        stream = torch_npu.npu.current_stream()
+        event = torch_npu.npu.ExternalEvent()
+        event.wait(stream)
+        event.reset(stream)
+        torch_npu.npu.graph_task_group_begin(stream)
+        op(*inputs, **args, workspace=workspace, out=[out, softmax_lse])
+        handle = torch_npu.npu.graph_task_group_end(stream)
+        self.calls[self._capturing_key].append(FIACall(
+            handle=handle, event=event, op=op, inputs=inputs, args=args, workspace=workspace,
+            out=out, softmax_lse=softmax_lse, step_args=step_args))
 
     def update(self, key, metadata) -> None:
         """Re-issue each captured FIA of graph ``key`` with ``metadata``'s host lists."""

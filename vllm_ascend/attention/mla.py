@@ -43,7 +43,6 @@ from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 from vllm.v1.kv_cache_interface import KVCacheLayout
 
 from vllm_ascend.attention.backend import ATTEN_MASK_SIZE, CAUSAL
-from vllm_ascend.attention.graph_params import FIACall
 from vllm_ascend.compilation.acl_graph import GRAPH_STATE
 from vllm_ascend.device import torch_npu
 
@@ -315,23 +314,12 @@ class AscendMLAImpl(MLAAttentionImpl):
                     actual_seq_qlen=d.actual_seq_lengths_q if self.speculative else None)
 
     def _capture_fia(self, inputs, args, attn_out) -> None:
-        """The dense backend's FULL-graph protocol (attention/backend.py), with FIA v2."""
-        graph_params = get_forward_context().no_compile_layers[GRAPH_STATE].fia
-        workspace = graph_params.workspace(
+        """The dense backend's FULL-graph protocol (graph_params.GraphParams.capture), FIA v2."""
+        get_forward_context().no_compile_layers[GRAPH_STATE].fia.capture(
+            torch_npu.npu_fused_infer_attention_score_v2.out, inputs, args, attn_out,
             lambda: torch_npu._npu_fused_infer_attention_score_v2_get_max_workspace(
-                *inputs, **args))
-        softmax_lse = torch.empty(1, dtype=attn_out.dtype, device=attn_out.device)
-        stream = torch_npu.npu.current_stream()
-        event = torch_npu.npu.ExternalEvent()
-        event.wait(stream)
-        event.reset(stream)
-        torch_npu.npu.graph_task_group_begin(stream)
-        op = torch_npu.npu_fused_infer_attention_score_v2.out
-        op(*inputs, **args, workspace=workspace, out=[attn_out, softmax_lse])
-        handle = torch_npu.npu.graph_task_group_end(stream)
-        graph_params.record(FIACall(handle=handle, event=event, op=op, inputs=inputs, args=args,
-                                    workspace=workspace, out=attn_out, softmax_lse=softmax_lse,
-                                    step_args=self.step_args))
+                *inputs, **args),
+            self.step_args)
 
 
 class AscendMLABackend(AttentionBackend):

@@ -13,68 +13,76 @@ from vllm_ascend.device.sim import mla as _mla
 from vllm_ascend.device.sim import moe as _moe  # noqa: F401  (registers the MoE operators)
 from vllm_ascend.device.sim import npu  # noqa: F401  (torch_npu.npu, i.e. torch.npu)
 from vllm_ascend.device.sim import ops as _ops
+from vllm_ascend.device.sim.ops import INT32_MAX
 
-_FIA = torch.ops.ascend_sim.npu_fused_infer_attention_score
-_FIA_KEYWORDS = {a.name: a.default_value for a in _FIA.default._schema.arguments if a.kwarg_only}
-# Keywords of torch_npu's FIA that vllm-ascend's decoder path leaves at their defaults.
-_FIA_NOT_SIMULATED = {
-    "pse_shift", "dequant_scale1", "quant_scale1", "dequant_scale2", "quant_scale2",
-    "quant_offset2", "antiquant_scale", "antiquant_offset", "key_antiquant_scale",
-    "key_antiquant_offset", "value_antiquant_scale", "value_antiquant_offset",
-    "query_padding_size", "kv_padding_size", "key_shared_prefix", "value_shared_prefix",
-    "actual_shared_prefix_len", "query_rope", "key_rope", "key_rope_antiquant_scale",
-}
-_FIA_ZERO_NOT_SIMULATED = {"antiquant_mode", "key_antiquant_mode", "value_antiquant_mode"}
-
-
-def _fia_kwargs(op: str, kwargs: dict) -> dict:
-    kw = {}
-    for name, value in kwargs.items():
-        if name in _FIA_NOT_SIMULATED or name in _FIA_ZERO_NOT_SIMULATED:
-            if value is not None and not (isinstance(value, int) and value == 0):
-                raise NotImplementedError(f"{op}: {name} is not simulated")
-            continue
-        if name not in _FIA_KEYWORDS:
-            raise TypeError(f"{op}() got an unexpected keyword argument '{name}'")
-        if name in ("actual_seq_lengths", "actual_seq_lengths_kv") and value is not None and (
-                not isinstance(value, (list, tuple))
-                or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)):
-            # FIA v1 takes SymInt[]: host lists. A device tensor is an error on the chip.
-            raise TypeError(f"{op}(): argument '{name}' must be tuple of ints, not "
-                            f"{type(value).__name__}")
-        kw[name] = list(value) if isinstance(value, tuple) else value
-    return kw
-
-
-class _FusedInferAttentionScore:
-    """torch_npu.npu_fused_infer_attention_score: the functional call, and ``.out`` with a
+class _FusedInferAttention:
+    """torch_npu's FIA entry points (v1 and v2): the functional call, and ``.out`` with a
     preallocated ``out=[attention_out, softmax_lse]`` and ``workspace=`` (the graph path). Issued
-    between graph_task_update_begin/end, ``.out`` re-parameterises the captured task."""
+    between graph_task_update_begin/end, ``.out`` re-parameterises the captured task. Keywords the
+    product leaves at their defaults are refused unless at the default; host lists must be
+    lists of ints, as the chip's SymInt[] parameters take them."""
+
+    def __init__(self, name: str, op, not_simulated: dict, host_lists: tuple):
+        self.name, self.op = name, op
+        self.keywords = {a.name for a in op.default._schema.arguments if a.kwarg_only}
+        self.not_simulated = not_simulated  # keyword -> its default (None: an optional tensor)
+        self.host_lists = host_lists
+
+    def kwargs(self, op: str, kwargs: dict) -> dict:
+        kw = {}
+        for name, value in kwargs.items():
+            if name in self.not_simulated:
+                if value is not None and value != self.not_simulated[name]:
+                    raise NotImplementedError(f"{op}: {name} is not simulated")
+                continue
+            if name not in self.keywords:
+                raise TypeError(f"{op}() got an unexpected keyword argument '{name}'")
+            if name in self.host_lists and value is not None and (
+                    not isinstance(value, (list, tuple))
+                    or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)):
+                # A device tensor is an error on the chip (v2 also takes a host int tensor:
+                # the stricter reading).
+                raise TypeError(f"{op}(): argument '{name}' must be tuple of ints, not "
+                                f"{type(value).__name__}")
+            kw[name] = list(value) if isinstance(value, tuple) else value
+        return kw
 
     def __call__(self, query, key, value, **kwargs):
-        kw = _fia_kwargs("npu_fused_infer_attention_score", kwargs)
+        kw = self.kwargs(self.name, kwargs)
         if npu.open_task_update() is not None:
-            raise RuntimeError("a task update re-issues the captured op: call "
-                               "npu_fused_infer_attention_score.out, as at capture")
-        return _FIA.default(query, key, value, **kw)
+            raise RuntimeError(f"a task update re-issues the captured op: call {self.name}.out, "
+                               "as at capture")
+        return self.op.default(query, key, value, **kw)
 
     def out(self, query, key, value, *, out, workspace=None, **kwargs):
-        kw = _fia_kwargs("npu_fused_infer_attention_score.out", kwargs)
+        kw = self.kwargs(f"{self.name}.out", kwargs)
         attention_out, softmax_lse = out
         kw.update(workspace=workspace, attention_out=attention_out, softmax_lse=softmax_lse)
         if npu.open_task_update() is not None:
-            npu.issue_task_update(_FIA.out, (query, key, value), kw)
+            npu.issue_task_update(self.op.out, (query, key, value), kw)
             return attention_out, softmax_lse
-        return _FIA.out(query, key, value, **kw)
+        return self.op.out(query, key, value, **kw)
 
 
-npu_fused_infer_attention_score = _FusedInferAttentionScore()
+_FIA = torch.ops.ascend_sim.npu_fused_infer_attention_score
+# Keywords of torch_npu's FIA that vllm-ascend's decoder path leaves at their defaults.
+npu_fused_infer_attention_score = _FusedInferAttention(
+    "npu_fused_infer_attention_score", _FIA, not_simulated={
+        **dict.fromkeys((
+            "pse_shift", "dequant_scale1", "quant_scale1", "dequant_scale2", "quant_scale2",
+            "quant_offset2", "antiquant_scale", "antiquant_offset", "key_antiquant_scale",
+            "key_antiquant_offset", "value_antiquant_scale", "value_antiquant_offset",
+            "query_padding_size", "kv_padding_size", "key_shared_prefix", "value_shared_prefix",
+            "actual_shared_prefix_len", "query_rope", "key_rope", "key_rope_antiquant_scale")),
+        **dict.fromkeys(("antiquant_mode", "key_antiquant_mode", "value_antiquant_mode"), 0)},
+    host_lists=("actual_seq_lengths", "actual_seq_lengths_kv"))
 
 
 def _npu_fused_infer_attention_score_get_max_workspace(query, key, value, **kwargs):
     """A workspace for ``.out`` that serves any sequence lengths: a 1-D tensor of the query's
     dtype. The host-side checks run as in the op."""
-    kw = _fia_kwargs("_npu_fused_infer_attention_score_get_max_workspace", kwargs)
+    kw = npu_fused_infer_attention_score.kwargs(
+        "_npu_fused_infer_attention_score_get_max_workspace", kwargs)
     _ops.check_fia(query, key, value, kw.get("atten_mask"), kw.get("actual_seq_lengths"),
                    kw.get("actual_seq_lengths_kv"), kw.get("block_table"),
                    kw.get("num_heads", 1), kw.get("num_key_value_heads", 0),
@@ -94,62 +102,24 @@ def npu_scatter_pa_kv_cache(key, value, key_cache, value_cache, slot_mapping, *,
                                                  slot_mapping, cache_mode=cache_mode)
 
 
-_FIA_V2 = torch.ops.ascend_sim.npu_fused_infer_attention_score_v2
-_FIA_V2_KEYWORDS = {a.name for a in _FIA_V2.default._schema.arguments if a.kwarg_only}
-# Keywords of torch_npu's FIA v2 that the MLA decode path leaves at their defaults.
-_FIA_V2_NOT_SIMULATED = {
-    "pse_shift", "dequant_scale_query", "dequant_scale_key", "dequant_scale_value",
-    "quant_scale_out", "quant_offset_out", "learnable_sink", "key_shared_prefix",
-    "value_shared_prefix", "actual_shared_prefix_len", "query_padding_size", "kv_padding_size",
-    "pre_tokens", "next_tokens", "inner_precise"}
-_FIA_V2_ZERO = {"query_quant_mode", "key_quant_mode", "value_quant_mode"}
-
-
-def _fia_v2_kwargs(op: str, kwargs: dict) -> dict:
-    kw = {}
-    for name, value in kwargs.items():
-        if name in _FIA_V2_NOT_SIMULATED or name in _FIA_V2_ZERO:
-            if value is not None and not (isinstance(value, int) and value in (0, 2147483647)):
-                raise NotImplementedError(f"{op}: {name} is not simulated")
-            continue
-        if name not in _FIA_V2_KEYWORDS:
-            raise TypeError(f"{op}() got an unexpected keyword argument '{name}'")
-        if name in ("actual_seq_qlen", "actual_seq_kvlen") and value is not None and (
-                not isinstance(value, (list, tuple))
-                or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)):
-            # Stricter than the chip, which also takes a 1-D host int tensor: host lists only.
-            raise TypeError(f"{op}(): argument '{name}' must be tuple of ints, not "
-                            f"{type(value).__name__}")
-        kw[name] = list(value) if isinstance(value, tuple) else value
-    return kw
-
-
-class _FusedInferAttentionScoreV2:
-    """torch_npu.npu_fused_infer_attention_score_v2 (the MLA path only), with ``.out`` for
-    graphs: issued between graph_task_update_begin/end, it re-parameterises the captured task."""
-
-    def __call__(self, query, key, value, **kwargs):
-        kw = _fia_v2_kwargs("npu_fused_infer_attention_score_v2", kwargs)
-        if npu.open_task_update() is not None:
-            raise RuntimeError("a task update re-issues the captured op: call "
-                               "npu_fused_infer_attention_score_v2.out, as at capture")
-        return _FIA_V2.default(query, key, value, **kw)
-
-    def out(self, query, key, value, *, out, workspace=None, **kwargs):
-        kw = _fia_v2_kwargs("npu_fused_infer_attention_score_v2.out", kwargs)
-        attention_out, softmax_lse = out
-        kw.update(workspace=workspace, attention_out=attention_out, softmax_lse=softmax_lse)
-        if npu.open_task_update() is not None:
-            npu.issue_task_update(_FIA_V2.out, (query, key, value), kw)
-            return attention_out, softmax_lse
-        return _FIA_V2.out(query, key, value, **kw)
-
-
-npu_fused_infer_attention_score_v2 = _FusedInferAttentionScoreV2()
+# FIA v2: the MLA decode path only (device/sim/mla.py); the keywords it leaves at defaults.
+npu_fused_infer_attention_score_v2 = _FusedInferAttention(
+    "npu_fused_infer_attention_score_v2", torch.ops.ascend_sim.npu_fused_infer_attention_score_v2,
+    not_simulated={
+        **dict.fromkeys((
+            "pse_shift", "dequant_scale_query", "dequant_scale_key", "dequant_scale_value",
+            "quant_scale_out", "quant_offset_out", "learnable_sink", "key_shared_prefix",
+            "value_shared_prefix", "actual_shared_prefix_len", "query_padding_size",
+            "kv_padding_size")),
+        **dict.fromkeys(("pre_tokens", "next_tokens"), INT32_MAX),
+        **dict.fromkeys(("inner_precise", "query_quant_mode", "key_quant_mode",
+                         "value_quant_mode"), 0)},
+    host_lists=("actual_seq_qlen", "actual_seq_kvlen"))
 
 
 def _npu_fused_infer_attention_score_v2_get_max_workspace(query, key, value, **kwargs):
-    kw = _fia_v2_kwargs("_npu_fused_infer_attention_score_v2_get_max_workspace", kwargs)
+    kw = npu_fused_infer_attention_score_v2.kwargs(
+        "_npu_fused_infer_attention_score_v2_get_max_workspace", kwargs)
     _mla.check_fia_v2(query, key, value, kw.get("query_rope"), kw.get("key_rope"),
                       kw.get("atten_mask"), kw.get("actual_seq_qlen"),
                       kw.get("actual_seq_kvlen"), kw.get("block_table"),

@@ -85,13 +85,18 @@ def install(torch_npu_module, npu_module) -> None:
                  "npu_transpose_batchmatmul",
                  "_npu_fused_infer_attention_score_v2_get_max_workspace"):
         setattr(torch_npu_module, name, traced(name, getattr(torch_npu_module, name)))
-    fia = torch_npu_module.npu_fused_infer_attention_score
-    type(fia).__call__ = _traced_method("npu_fused_infer_attention_score", type(fia).__call__)
-    fia.out = traced("npu_fused_infer_attention_score.out", fia.out)
-    fia2 = torch_npu_module.npu_fused_infer_attention_score_v2
-    type(fia2).__call__ = _traced_method("npu_fused_infer_attention_score_v2",
-                                         type(fia2).__call__)
-    fia2.out = traced("npu_fused_infer_attention_score_v2.out", fia2.out)
+    fias = (torch_npu_module.npu_fused_infer_attention_score,
+            torch_npu_module.npu_fused_infer_attention_score_v2)
+    call = type(fias[0]).__call__  # one class for v1 and v2: logged under each one's name
+
+    @functools.wraps(call)
+    def traced_call(self, *args, **kwargs):
+        _log(self.name, args, kwargs)
+        return call(self, *args, **kwargs)
+
+    type(fias[0]).__call__ = traced_call
+    for fia in fias:
+        fia.out = traced(f"{fia.name}.out", fia.out)
     for name in ("graph_task_group_begin", "graph_task_group_end", "graph_task_update_begin",
                  "graph_task_update_end", "graph", "graph_pool_handle", "current_stream",
                  "stream", "synchronize", "is_current_stream_capturing"):
