@@ -31,18 +31,16 @@ import torch.nn.functional as F
 from vllm.config import get_current_vllm_config
 from vllm.forward_context import get_forward_context
 from vllm.v1.attention.backend import (
-    AttentionBackend,
     AttentionCGSupport,
-    AttentionMetadataBuilder,
     CommonAttentionMetadata,
     MLAAttentionImpl,
 )
 from vllm.v1.attention.backends.mla.prefill.base import MLAPrefillBackend
 from vllm.v1.attention.backends.registry import register_backend
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
-from vllm.v1.kv_cache_interface import KVCacheLayout
 
-from vllm_ascend.attention.backend import ATTEN_MASK_SIZE, CAUSAL
+from vllm_ascend.attention.backend import (CAUSAL, AscendAttentionBackend,
+                                           AscendAttentionMetadataBuilder)
 from vllm_ascend.compilation.acl_graph import GRAPH_STATE
 from vllm_ascend.device import torch_npu
 
@@ -75,15 +73,10 @@ class AscendMLAMetadata:
     prefill: MLAPrefillMetadata | None
 
 
-def causal_mask(device) -> torch.Tensor:
-    # Upper triangle 1 = masked, as upstream builds it for sparse_mode 3.
-    return torch.triu(torch.ones(ATTEN_MASK_SIZE, ATTEN_MASK_SIZE), diagonal=1).to(
-        torch.int8).to(device)
-
-
-class AscendMLAMetadataBuilder(AttentionMetadataBuilder[AscendMLAMetadata]):
+class AscendMLAMetadataBuilder(AscendAttentionMetadataBuilder):
     """Decodes first (vLLM reorders the batch), then prefills. In a FULL step every request is
-    a decode of the same query length: the runner pads with whole fake requests."""
+    a decode of the same query length: the runner pads with whole fake requests. The dense
+    builder's causal mask, persistent block table and drafting metadata serve as they are."""
 
     # As upstream: FULL graphs hold uniform decode batches only (the prefill path gathers
     # variable-length sequences); mixed batches run eagerly or in PIECEWISE graphs.
@@ -91,15 +84,9 @@ class AscendMLAMetadataBuilder(AttentionMetadataBuilder[AscendMLAMetadata]):
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device_):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device_)
-        spec = vllm_config.speculative_config
-        self.speculative = spec is not None
+        spec = vllm_config.speculative_config  # a verify step's requests are decodes too
         self._init_reorder_batch_threshold(1 + (spec.num_speculative_tokens if spec else 0))
         self.block_size = kv_cache_spec.block_size
-        self.atten_mask = causal_mask(device_)
-        max_blocks = -(-vllm_config.model_config.max_model_len // self.block_size)
-        # Persistent: FULL graphs read the decode block table at its captured address.
-        self.block_table = torch.zeros(vllm_config.scheduler_config.max_num_seqs + 1,
-                                       max_blocks, dtype=torch.int32, device=device_)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> AscendMLAMetadata:
@@ -138,13 +125,6 @@ class AscendMLAMetadataBuilder(AttentionMetadataBuilder[AscendMLAMetadata]):
             num_actual_tokens=cam.num_actual_tokens, num_decodes=num_decodes,
             num_decode_tokens=num_decode_tokens, num_prefills=num_prefills, decode=decode,
             prefill=prefill)
-
-    def build_for_drafting(self, common_attn_metadata: CommonAttentionMetadata,
-                           draft_index: int) -> AscendMLAMetadata:
-        # As the dense builder: the drafter moves the KV lengths on the device only.
-        cam = common_attn_metadata
-        return self.build(0, cam.replace(seq_lens_cpu_upper_bound=cam.seq_lens.cpu()),
-                          fast_build=True)
 
 
 class AscendMLAPrefillBackend(MLAPrefillBackend):
@@ -322,10 +302,8 @@ class AscendMLAImpl(MLAAttentionImpl):
             self.step_args)
 
 
-class AscendMLABackend(AttentionBackend):
-    accept_output_buffer: bool = True
-    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16]
-    supported_kv_cache_dtypes: ClassVar[list] = ["auto"]
+class AscendMLABackend(AscendAttentionBackend):
+    """The dense backend's dtypes and cache layout; MLA's own cache, builder and impl."""
 
     @staticmethod
     def get_name() -> str:
@@ -340,16 +318,13 @@ class AscendMLABackend(AttentionBackend):
         return AscendMLAMetadataBuilder
 
     @staticmethod
-    def get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str="auto"):
-        return (num_blocks, block_size, head_size)
+    def get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size,
+                           cache_dtype_str="auto"):
+        return (num_blocks, block_size, head_size)  # one latent head: read as two caches
 
     @staticmethod
     def get_supported_kernel_block_sizes(kv_cache_spec=None):
         return [128]  # upstream's AscendMLABackend
-
-    @classmethod
-    def get_preferred_block_size(cls, default_block_size: int) -> int:
-        return 128
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
@@ -358,10 +333,6 @@ class AscendMLABackend(AttentionBackend):
     @classmethod
     def is_mla(cls) -> bool:
         return True
-
-    @classmethod
-    def supported_kv_cache_layouts(cls):
-        return (KVCacheLayout.LBNHC,)
 
 
 register_backend(BACKEND_NAME, f"{__name__}.AscendMLABackend")
