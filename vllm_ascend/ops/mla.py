@@ -38,13 +38,22 @@ class AscendMultiHeadLatentAttention(MultiHeadLatentAttentionWrapper):
         if mla_modules.is_sparse or mla_modules.indexer is not None:
             raise NotImplementedError("sparse MLA (DeepSeek-V3.2's indexer) is not supported by "
                                       "vllm-ascend yet")
+        if mla_modules.rotary_emb is None:
+            raise NotImplementedError("MLA without a rotary embedding is not supported by "
+                                      "vllm-ascend: its fused operators rope the key's rope part")
         super().__init__(hidden_size, num_heads, scale, qk_nope_head_dim, qk_rope_head_dim,
                          v_head_dim, q_lora_rank, kv_lora_rank, mla_modules, cache_config,
                          quant_config, prefix, **kwargs)
         self.mla_attn.__class__ = AscendMLAAttention  # adds no state: see above
-        self.step_rope: StepRope | None = None  # the model's (models/common.py), half layout
+        config = self.mla_attn._vllm_config
+        # The step's cos/sin rows, in the half layout the interleave-rope operators take; the
+        # runner fills them before each forward. A family file shares one among all its layers
+        # (models/common.py attach_step_rope).
+        self.step_rope = StepRope()
+        self.step_rope.attach(self.rotary_emb, config.scheduler_config.max_num_batched_tokens,
+                              config.model_config.dtype, half_layout=True)
         self.layer_name = f"{prefix}.mla"
-        context = self.mla_attn._vllm_config.compilation_config.static_forward_context
+        context = config.compilation_config.static_forward_context
         if self.layer_name in context:
             raise ValueError(f"Duplicate layer name: {self.layer_name}")
         context[self.layer_name] = self
