@@ -200,3 +200,96 @@ def eagle_head_dir(target: str) -> str:
     (tmp / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
     tmp.rename(path)
     return str(path)
+
+
+# The linear layers a ModelSlim export quantizes in the tiny families (attention, a dense MLP, a
+# shared expert); routed experts, routers, embeddings, norms and the LM head stay FLOAT.
+QUANTIZED_LINEAR = (r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|"
+                    r"mlp\.(shared_expert\.)?(gate|up|down)_proj)$")
+CALIBRATION = ["The capital of France is", "Write a haiku about the sea.",
+               "1, 2, 3, 4, 5,", "def fibonacci(n):"]
+
+
+def quantized_model_dir(family: str, types: "str | tuple[str, ...]",
+                        dtype: str = "bfloat16") -> str:
+    """The tiny ``family`` model exported in ModelSlim's format (docs/quantization.md): each
+    decoder layer's linear layers in ``types`` (one type for all layers, or one per layer:
+    "W8A8_DYNAMIC", "W8A8" or "FLOAT"), int8 weights per output channel, symmetric; for W8A8,
+    an asymmetric per-tensor activation scale and offset calibrated on a few prompts, with the
+    float bias and the offset folded into an int32 quant_bias. Saved once, for ``dtype``."""
+    import json
+    import re
+
+    import safetensors.torch
+    import torch
+    import transformers
+
+    src = tiny_model_dir(family)
+    config = transformers.AutoConfig.from_pretrained(src)
+    per_layer = (types,) * config.num_hidden_layers if isinstance(types, str) else tuple(types)
+    tag = "-".join(t.lower() for t in dict.fromkeys(per_layer))
+    path = CACHE / "models" / f"tiny-{family}-{tag}-{dtype}-q1"
+    if (path / "config.json").exists():
+        return str(path)
+    torch_dtype = getattr(torch, dtype)
+    tok = transformers.AutoTokenizer.from_pretrained(src)
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    linears = {name: m for name, m in model.named_modules()
+               if re.match(QUANTIZED_LINEAR, name) and isinstance(m, torch.nn.Linear)}
+
+    ranges = {}  # name -> (min, max) of the layer's inputs over the calibration prompts
+
+    def observe(name):
+        def hook(module, args):
+            lo, hi = ranges.get(name, (0.0, 0.0))
+            ranges[name] = (min(lo, args[0].min().item()), max(hi, args[0].max().item()))
+        return hook
+
+    handles = [m.register_forward_pre_hook(observe(n)) for n, m in linears.items()]
+    with torch.no_grad():
+        for text in CALIBRATION:
+            model(tok(text, return_tensors="pt").input_ids)
+    for h in handles:
+        h.remove()
+
+    tensors, description = {}, {"model_quant_type": per_layer[0], "version": "1.0.0"}
+    for name, t in model.state_dict().items():
+        module = name.rsplit(".", 1)[0]
+        layer = int(name.split(".")[2]) if name.startswith("model.layers.") else None
+        quant_type = per_layer[layer] if module in linears else "FLOAT"
+        if quant_type == "FLOAT" or name.endswith(".bias"):
+            tensors[name] = t.to(torch_dtype)
+            description[name] = quant_type
+            continue
+        w_scale = t.abs().amax(1, keepdim=True).clamp(min=1e-8) / 127
+        w_q = torch.round(t / w_scale).clamp(-128, 127).to(torch.int8)
+        quant = {"weight": w_q}
+        if quant_type == "W8A8_DYNAMIC":
+            quant["weight_scale"] = w_scale
+            quant["weight_offset"] = torch.zeros_like(w_scale)
+        else:
+            lo, hi = ranges[module]
+            in_scale = torch.tensor([(hi - lo) / 255]).to(torch_dtype)
+            in_offset = torch.round(-128 - lo / in_scale.float()).clamp(-128, 127).to(torch_dtype)
+            deq = in_scale.float() * w_scale.flatten()
+            bias = linears[module].bias
+            folded = torch.zeros_like(deq) if bias is None else torch.round(bias / deq)
+            quant["input_scale"], quant["input_offset"] = in_scale, in_offset
+            quant["quant_bias"] = (folded - in_offset.float() * w_q.float().sum(1)).to(torch.int32)
+            # ModelSlim's encodings: float16 models get npu_trans_quant_param's int64 (the
+            # float32's bits), bfloat16 ones float32.
+            quant["deq_scale"] = (deq.view(torch.int32).to(torch.int64)
+                                  if torch_dtype == torch.float16 else deq)
+        for suffix, value in quant.items():
+            tensors[f"{module}.{suffix}"] = value.contiguous()
+            description[f"{module}.{suffix}"] = quant_type
+    tmp = path.with_suffix(".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    safetensors.torch.save_file(tensors, str(tmp / "quant_model_weight_w8a8.safetensors"),
+                                metadata={"format": "pt"})
+    (tmp / "quant_model_description.json").write_text(json.dumps(description, indent=2))
+    config.torch_dtype = dtype
+    config.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    tmp.rename(path)
+    return str(path)

@@ -48,7 +48,7 @@ class NPUPlatform(Platform):
     ray_device_key: str = "NPU"
     device_control_env_var: str = "ASCEND_RT_VISIBLE_DEVICES"
     simple_compile_backend: str = "eager"  # no usable Inductor backend on the chip
-    supported_quantization: list[str] = []
+    supported_quantization: list[str] = ["ascend"]  # ModelSlim checkpoints (quantization/)
 
     @property
     def supported_dtypes(self) -> list[torch.dtype]:
@@ -171,6 +171,10 @@ class NPUPlatform(Platform):
         return False
 
     @classmethod
+    def pre_register_and_update(cls, parser=None) -> None:
+        import vllm_ascend.quantization  # noqa: F401  (registers quantization="ascend")
+
+    @classmethod
     def check_and_update_config(cls, vllm_config: "VllmConfig") -> None:
         from vllm.config import CompilationMode
 
@@ -181,6 +185,8 @@ class NPUPlatform(Platform):
                 "Ascend: the fused infer attention operator computes in bfloat16 or float16 only. "
                 "Pass dtype='bfloat16' (--dtype bfloat16), or leave it 'auto', which runs a "
                 "float32 checkpoint in bfloat16.")
+        if model_config is not None:
+            cls._select_quantization(vllm_config)
         parallel_config = vllm_config.parallel_config
         # The engine core cleans up the device at shutdown even when its workers are other
         # processes (tensor parallelism): it needs the device's process set-up too.
@@ -245,6 +251,25 @@ class NPUPlatform(Platform):
         os.environ.setdefault("VLLM_DISABLE_SHARED_EXPERTS_STREAM", "1")
         cls._spawn_if_fork_is_unsafe()
         patch.apply()
+
+    @classmethod
+    def _select_quantization(cls, vllm_config: "VllmConfig") -> None:
+        """A ModelSlim export (quant_model_description.json beside the weights) runs quantized
+        without a flag, as upstream detects it; vLLM built no quantization config for it, since
+        its config.json names none."""
+        from vllm_ascend import quantization
+
+        model_config = vllm_config.model_config
+        if model_config.quantization is None and quantization.detect(model_config.model):
+            from vllm.config import VllmConfig
+
+            model_config.quantization = quantization.METHOD
+            vllm_config.quant_config = VllmConfig._get_quantization_config(
+                model_config, vllm_config.load_config)
+        config = vllm_config.quant_config
+        if isinstance(config, quantization.AscendModelSlimConfig):
+            logger.info("vllm-ascend: ModelSlim checkpoint (quantization='%s'): %s linear layers",
+                        quantization.METHOD, ", ".join(sorted(config.types())))
 
     @classmethod
     def _spawn_if_fork_is_unsafe(cls) -> None:

@@ -5,6 +5,7 @@ import contextlib
 import functools
 import gc
 import os
+import pathlib
 import signal
 import socket
 import subprocess
@@ -22,6 +23,7 @@ os.environ.setdefault("HCCL_BUFFSIZE", "16")
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(callable)
 
 from scripts.models import eagle_head_dir, smollm2_dir, tiny_model_dir  # noqa: E402
+from tests.e2e import w8a8_reference  # noqa: E402
 
 PROMPTS = [
     "The capital of France is",
@@ -231,7 +233,10 @@ def _hf_model(path):
     import transformers
 
     tok = transformers.AutoTokenizer.from_pretrained(path)
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    if (pathlib.Path(path) / "quant_model_description.json").exists():  # a ModelSlim export
+        model = w8a8_reference.load(path)
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.generation_config.eos_token_id = None  # like ignore_eos
     return tok, model
 

@@ -29,6 +29,22 @@ def fused_attention_forward(attn, positions: torch.Tensor, hidden_states: torch.
     return output
 
 
+def fuse_norms_into_quantization(model: torch.nn.Module, pairs=(
+        ("input_layernorm", "self_attn.qkv_proj"), ("post_attention_layernorm",
+                                                    "mlp.gate_up_proj"))) -> None:
+    """For each decoder layer, the norms whose output only the given linear layer reads quantize
+    that layer's activation in the norm's kernel, when the layer is W8A8 (ops/layernorm.py)."""
+    for module in list(model.modules()):
+        for norm_name, linear_name in pairs:
+            try:
+                norm, linear = module.get_submodule(norm_name), module.get_submodule(linear_name)
+            except AttributeError:  # not a decoder layer, or its MLP is a mixture of experts
+                continue
+            if hasattr(getattr(linear, "quant_method", None), "add_norm_quant"):
+                # Kept out of the module tree: the layer is the decoder's, not the norm's.
+                object.__setattr__(norm, "quantized_for", linear)
+
+
 def use_attention_class(model: torch.nn.Module, upstream: type, fused: type) -> None:
     """Re-class upstream attention modules as ``fused`` (a subclass that only overrides
     forward, adding no state). Upstream's Qwen2/Qwen3ForCausalLM build their decoder layers

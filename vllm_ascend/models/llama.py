@@ -6,7 +6,8 @@ upstream's layers already call; only the attention forward changes here.
 
 from vllm.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 
-from vllm_ascend.models.common import attach_step_rope, fused_attention_forward
+from vllm_ascend.models.common import (attach_step_rope, fuse_norms_into_quantization,
+                                       fused_attention_forward)
 
 
 class AscendLlamaAttention(LlamaAttention):
@@ -24,3 +25,4 @@ class AscendLlamaForCausalLM(LlamaForCausalLM):
         super().__init__(vllm_config=vllm_config, prefix=prefix,
                          layer_type=AscendLlamaDecoderLayer)
         attach_step_rope(self, vllm_config)
+        fuse_norms_into_quantization(self)

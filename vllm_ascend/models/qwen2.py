@@ -2,8 +2,8 @@
 
 from vllm.model_executor.models.qwen2 import Qwen2Attention, Qwen2ForCausalLM
 
-from vllm_ascend.models.common import (attach_step_rope, fused_attention_forward,
-                                       use_attention_class)
+from vllm_ascend.models.common import (attach_step_rope, fuse_norms_into_quantization,
+                                       fused_attention_forward, use_attention_class)
 
 
 class AscendQwen2Attention(Qwen2Attention):
@@ -17,3 +17,4 @@ class AscendQwen2ForCausalLM(Qwen2ForCausalLM):
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         use_attention_class(self, Qwen2Attention, AscendQwen2Attention)
         attach_step_rope(self, vllm_config)
+        fuse_norms_into_quantization(self)

@@ -5,8 +5,8 @@ output by vLLM's MoE runner, as HF adds it."""
 
 from vllm.model_executor.models.qwen2_moe import Qwen2MoeAttention, Qwen2MoeForCausalLM
 
-from vllm_ascend.models.common import (attach_step_rope, fused_attention_forward,
-                                       use_attention_class)
+from vllm_ascend.models.common import (attach_step_rope, fuse_norms_into_quantization,
+                                       fused_attention_forward, use_attention_class)
 
 
 class AscendQwen2MoeAttention(Qwen2MoeAttention):
@@ -19,3 +19,4 @@ class AscendQwen2MoeForCausalLM(Qwen2MoeForCausalLM):
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         use_attention_class(self, Qwen2MoeAttention, AscendQwen2MoeAttention)
         attach_step_rope(self, vllm_config)
+        fuse_norms_into_quantization(self)

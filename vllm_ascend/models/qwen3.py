@@ -2,8 +2,8 @@
 
 from vllm.model_executor.models.qwen3 import Qwen3Attention, Qwen3ForCausalLM
 
-from vllm_ascend.models.common import (attach_step_rope, fused_attention_forward,
-                                       use_attention_class)
+from vllm_ascend.models.common import (attach_step_rope, fuse_norms_into_quantization,
+                                       fused_attention_forward, use_attention_class)
 
 
 class AscendQwen3Attention(Qwen3Attention):
@@ -16,3 +16,4 @@ class AscendQwen3ForCausalLM(Qwen3ForCausalLM):
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         use_attention_class(self, Qwen3Attention, AscendQwen3Attention)
         attach_step_rope(self, vllm_config)
+        fuse_norms_into_quantization(self)

@@ -5,8 +5,8 @@ sparse MoE block instantiates; routing renormalises the top-k probabilities when
 
 from vllm.model_executor.models.qwen3_moe import Qwen3MoeAttention, Qwen3MoeForCausalLM
 
-from vllm_ascend.models.common import (attach_step_rope, fused_attention_forward,
-                                       use_attention_class)
+from vllm_ascend.models.common import (attach_step_rope, fuse_norms_into_quantization,
+                                       fused_attention_forward, use_attention_class)
 
 
 class AscendQwen3MoeAttention(Qwen3MoeAttention):
@@ -19,3 +19,4 @@ class AscendQwen3MoeForCausalLM(Qwen3MoeForCausalLM):
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         use_attention_class(self, Qwen3MoeAttention, AscendQwen3MoeAttention)
         attach_step_rope(self, vllm_config)
+        fuse_norms_into_quantization(self)

@@ -13,6 +13,7 @@ from vllm_ascend.device.sim import mla as _mla
 from vllm_ascend.device.sim import moe as _moe  # noqa: F401  (registers the MoE operators)
 from vllm_ascend.device.sim import npu  # noqa: F401  (torch_npu.npu, i.e. torch.npu)
 from vllm_ascend.device.sim import ops as _ops
+from vllm_ascend.device.sim import quant as _quant  # noqa: F401  (registers the W8A8 operators)
 from vllm_ascend.device.sim.ops import INT32_MAX
 
 class _FusedInferAttention:
@@ -185,6 +186,11 @@ npu_rms_norm = torch.ops.ascend_sim.npu_rms_norm
 npu_add_rms_norm = torch.ops.ascend_sim.npu_add_rms_norm
 npu_swiglu = torch.ops.ascend_sim.npu_swiglu
 npu_mrope = torch.ops.ascend_sim.npu_mrope
+npu_dynamic_quant = torch.ops.ascend_sim.npu_dynamic_quant
+npu_quantize = torch.ops.ascend_sim.npu_quantize
+npu_quant_matmul = torch.ops.ascend_sim.npu_quant_matmul
+npu_add_rms_norm_quant = torch.ops.ascend_sim.npu_add_rms_norm_quant
+npu_add_rms_norm_dynamic_quant = torch.ops.ascend_sim.npu_add_rms_norm_dynamic_quant
 
 
 def npu_rotary_mul(input, r1, r2, rotary_mode="half", rotate=None):

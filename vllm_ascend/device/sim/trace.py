@@ -83,7 +83,9 @@ def install(torch_npu_module, npu_module) -> None:
                  "npu_moe_gating_top_k_softmax", "npu_moe_init_routing_v2", "npu_grouped_matmul",
                  "npu_moe_token_unpermute", "npu_interleave_rope", "npu_kv_rmsnorm_rope_cache",
                  "npu_transpose_batchmatmul",
-                 "_npu_fused_infer_attention_score_v2_get_max_workspace"):
+                 "_npu_fused_infer_attention_score_v2_get_max_workspace", "npu_dynamic_quant",
+                 "npu_quantize", "npu_quant_matmul", "npu_add_rms_norm_quant",
+                 "npu_add_rms_norm_dynamic_quant"):
         setattr(torch_npu_module, name, traced(name, getattr(torch_npu_module, name)))
     fias = (torch_npu_module.npu_fused_infer_attention_score,
             torch_npu_module.npu_fused_infer_attention_score_v2)

@@ -1,0 +1,63 @@
+"""The fp32 reference for a ModelSlim W8A8 checkpoint: HF transformers' model with each quantized
+layer's weights dequantized (int8 x scale) and its input quantized as the checkpoint says, then
+dequantized (per token for W8A8_DYNAMIC; with the calibrated scale and offset for W8A8, whose
+float bias is read back from quant_bias). Read from the checkpoint's own files, not from the
+plugin."""
+
+import json
+import pathlib
+
+import torch
+
+
+def _fake_quant_per_token(x):
+    scale = x.abs().amax(-1, keepdim=True) / 127
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return torch.round(x / scale).clamp(-128, 127) * scale
+
+
+def _fake_quant_static(scale, offset):
+    def quant(x):
+        return (torch.round(x / scale + offset).clamp(-128, 127) - offset) * scale
+    return quant
+
+
+def _deq_scale(t):
+    return (t & 0xFFFFFFFF).to(torch.int32).view(torch.float32) if t.dtype == torch.int64 \
+        else t.float()
+
+
+def load(path: str):
+    import safetensors.torch
+    import transformers
+
+    root = pathlib.Path(path)
+    description = json.loads((root / "quant_model_description.json").read_text())
+    tensors = {}
+    for f in root.glob("*.safetensors"):
+        tensors.update(safetensors.torch.load_file(str(f)))
+    config = transformers.AutoConfig.from_pretrained(path)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    state, hooks = {}, {}
+    for name, t in tensors.items():
+        module, suffix = name.rsplit(".", 1)
+        quant_type = description.get(f"{module}.weight", description[name])
+        if quant_type == "FLOAT" or (suffix == "bias" and quant_type == "W8A8_DYNAMIC"):
+            state[name] = t.float()
+        elif suffix == "weight" and quant_type == "W8A8_DYNAMIC":
+            state[name] = t.float() * tensors[f"{module}.weight_scale"].float()
+            hooks[module] = _fake_quant_per_token
+        elif suffix == "weight":  # W8A8
+            in_scale = tensors[f"{module}.input_scale"].float()
+            in_offset = tensors[f"{module}.input_offset"].float()
+            deq = _deq_scale(tensors[f"{module}.deq_scale"])
+            state[name] = t.float() * (deq / in_scale).unsqueeze(1)
+            hooks[module] = _fake_quant_static(in_scale, in_offset)
+            if f"{module}.bias" in model.state_dict():
+                state[f"{module}.bias"] = (tensors[f"{module}.quant_bias"].float()
+                                           + in_offset * t.float().sum(1)) * deq
+    model.load_state_dict(state, strict=True)
+    for module, quant in hooks.items():
+        model.get_submodule(module).register_forward_pre_hook(
+            lambda m, args, quant=quant: (quant(args[0]),))
+    return model

@@ -1,0 +1,153 @@
+"""ModelSlim checkpoints (``quantization="ascend"``), as upstream's quantization/modelslim_config.py
+reads them: ``quant_model_description.json`` beside the weights names each tensor's quantization
+type (``"model.layers.0.self_attn.q_proj.weight": "W8A8_DYNAMIC"``, ``"FLOAT"`` for a layer left
+in float). The platform selects this config when the file is there (``detect``); vLLM then asks
+it for each layer's method.
+
+Supported here: W8A8_DYNAMIC and W8A8 linear layers, FLOAT anywhere. Quantized MoE experts,
+embeddings, LM heads and other types are refused at start-up with the layer's name.
+"""
+
+import json
+import os
+
+import torch
+from vllm.model_executor.layers.fused_moe import RoutedExperts
+from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+from vllm.model_executor.layers.quantization import register_quantization_config
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+from vllm_ascend.quantization.w8a8 import SCHEMES, CheckpointError
+
+METHOD = "ascend"
+DESCRIPTION = "quant_model_description.json"
+# The tensors each type carries besides the float bias some layers have (ModelSlim lists every
+# tensor of the checkpoint in the description, with its layer's type).
+CARRIES = {"FLOAT": {"weight"}, **{name: set(cls.tensors) for name, cls in SCHEMES.items()}}
+FIX = ("Re-export the model with ModelSlim (https://gitcode.com/Ascend/msit/tree/master/"
+       "msmodelslim), or load the float checkpoint")
+
+
+def description_path(model: str) -> str | None:
+    """The checkpoint's description file: in a local model directory, or in the local Hugging
+    Face cache for a repository id (nothing is downloaded here)."""
+    if os.path.isdir(model):
+        path = os.path.join(model, DESCRIPTION)
+        return path if os.path.isfile(path) else None
+    try:
+        from huggingface_hub import try_to_load_from_cache
+        found = try_to_load_from_cache(model, DESCRIPTION)
+    except Exception:  # not a repository id
+        return None
+    return found if isinstance(found, str) else None
+
+
+@register_quantization_config(METHOD)
+class AscendModelSlimConfig(QuantizationConfig):
+
+    def __init__(self, description: dict | None = None):
+        super().__init__()
+        self.description = description or {}
+
+    def __repr__(self) -> str:
+        return f"AscendModelSlimConfig({self.description.get('model_quant_type', 'mixed')})"
+
+    @classmethod
+    def get_name(cls) -> str:
+        return METHOD
+
+    @classmethod
+    def get_supported_act_dtypes(cls) -> list[torch.dtype]:
+        return [torch.float16, torch.bfloat16]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 0  # no CUDA capability on Ascend; vLLM asks only where the platform reports one
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        # Empty, so vLLM builds the config without a file; maybe_update_config reads it and, if
+        # it is missing, says what to do (as upstream).
+        return []
+
+    @classmethod
+    def from_config(cls, config: dict) -> "AscendModelSlimConfig":
+        return cls(config)
+
+    def maybe_update_config(self, model_name: str, hf_config=None, revision=None) -> None:
+        if self.description:
+            return
+        path = description_path(model_name)
+        if path is None:
+            raise ValueError(
+                f"quantization='{METHOD}' reads ModelSlim checkpoints, and {model_name} has no "
+                f"{DESCRIPTION}: it is not a ModelSlim export. Drop --quantization {METHOD} to "
+                "run a float checkpoint, or quantize the model with ModelSlim first "
+                "(docs/quantization.md)")
+        with open(path) as f:
+            self.description = json.load(f)
+
+    def types(self) -> set[str]:
+        return {v for k, v in self.description.items() if k.endswith(".weight")}
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str):
+        if isinstance(layer, LinearBase):
+            quant_type = self._linear_type(prefix)
+            if quant_type == "FLOAT":
+                return UnquantizedLinearMethod()
+            return SCHEMES[quant_type](prefix)
+        if isinstance(layer, RoutedExperts):
+            found = {v for k, v in self.description.items()
+                     if k.startswith(prefix + ".") and k.endswith(".weight")}
+            if found - {"FLOAT"}:
+                raise CheckpointError(
+                    f"{prefix}: the experts are {'/'.join(sorted(found - {'FLOAT'}))} in this "
+                    "checkpoint; vllm-ascend runs quantized linear layers but not quantized MoE "
+                    "experts yet. Export the model with the experts left FLOAT (ModelSlim's "
+                    "disable_names), or run the float checkpoint")
+            return None  # vLLM's unquantized experts, i.e. vllm-ascend's MoE layer
+        if isinstance(layer, VocabParallelEmbedding):
+            quant_type = self.description.get(prefix + ".weight", "FLOAT")
+            if quant_type != "FLOAT":
+                raise CheckpointError(
+                    f"{prefix}: a {quant_type} embedding or LM head is not supported; export "
+                    "it FLOAT (ModelSlim leaves embeddings and the LM head in float by default)")
+        return None
+
+    def _linear_type(self, prefix: str) -> str:
+        """The layer's type, after checking that the description is whole for each projection
+        it merges (q/k/v, gate/up) and that they share one type."""
+        name = prefix.rsplit(".", 1)[-1]
+        shards = [prefix[:-len(name)] + shard
+                  for shard in self.packed_modules_mapping.get(name, [name])]
+        found = {}
+        for shard in shards:
+            quant_type = self.description.get(shard + ".weight")
+            if quant_type is None:
+                raise CheckpointError(
+                    f"{DESCRIPTION} has no entry for {shard}.weight: the description does not "
+                    f"belong to this model. {FIX}")
+            if quant_type not in CARRIES:
+                raise CheckpointError(
+                    f"{shard} is {quant_type}; vllm-ascend runs "
+                    f"{', '.join(sorted(CARRIES))} layers. {FIX} with one of those types")
+            listed = {k[len(shard) + 1:] for k in self.description
+                      if k.startswith(shard + ".") and "." not in k[len(shard) + 1:]}
+            unexpected = listed - CARRIES[quant_type] - {"bias"}
+            if unexpected:
+                raise CheckpointError(
+                    f"{shard} is {quant_type} but the checkpoint also lists "
+                    f"{', '.join(sorted(unexpected))}, which a {quant_type} layer does not carry "
+                    f"(it carries {', '.join(sorted(CARRIES[quant_type]))}). {FIX}")
+            found[shard] = quant_type
+        if len(set(found.values())) > 1:
+            raise CheckpointError(
+                f"{prefix} merges {', '.join(shards)}, which must share one quantization type; "
+                f"the checkpoint has {found}. {FIX}")
+        return next(iter(found.values()))
+
+
+def detect(model: str) -> bool:
+    """Whether ``model`` is a ModelSlim export (its description file is there)."""
+    return description_path(model) is not None
