@@ -1,11 +1,12 @@
-"""Graph modes through the real engine, on the tiny Llama: it equals HF transformers (and so
-eager), for batches that hit a capture size, fall between sizes (padding) and exceed the largest
+"""Graph modes through the real engine, on the tiny Llama (PIECEWISE and FULL on its W8A8
+exports, dynamic and static): it equals HF transformers (and so eager; for an export, the fp32
+reference with the same quantization), for batches that hit a capture size, fall between sizes (padding) and exceed the largest
 (no graph: the eager path), and for a prefill that fits a graph; every check also counts the
 graphs that replayed, so an eager fallback fails it."""
 
 import pytest
 
-from tests.e2e.conftest import (OUR_CLASSES, PROMPTS, chip_cost_per_decode_step,
+from tests.e2e.conftest import (OUR_CLASSES, PROMPTS, QUANTIZED, chip_cost_per_decode_step,
                                 check_logprobs_close, engine, expected_replays, graph_counts,
                                 hf_greedy, loaded_class, MAX_TOKENS, model_path, replays,
                                 vllm_greedy)
@@ -21,12 +22,19 @@ MAX_NUM_SEQS = 8
 # float16, the other dtype FIA computes in); DeepSeek: test_mla.py. SmolLM2's real weights in
 # graph mode: the demo (test_fresh_machine.py), and by hand against HF with
 # `python scripts/check_parallel.py --family smollm2` (docs/testing.md).
-CASES = [("llama", m) for m in MODES if m != "FULL_DECODE_ONLY"]
-DTYPES: dict[str, str] = {}
+# A mode does the same to a quantized model's layers (their operators run inside the pieces and
+# graphs like any other), so PIECEWISE and FULL run the W8A8 exports of the tiny Llama: every
+# check below also holds for W8A8_DYNAMIC and W8A8 layers (test_quantization.py: the other modes).
+CASES = [("llama-w8a8-dynamic", "PIECEWISE"), ("llama-w8a8", "FULL"),
+         ("llama", "FULL_AND_PIECEWISE")]
 
 
 def dtype_of(family: str) -> str:
-    return DTYPES.get(family, "bfloat16")
+    return QUANTIZED[family][2] if family in QUANTIZED else "bfloat16"
+
+
+def base_family(family: str) -> str:
+    return QUANTIZED[family][0] if family in QUANTIZED else family
 
 SHORT = "Hi there"  # 2 tokens: a prefill within the largest capture size
 
@@ -51,7 +59,7 @@ def check(llm, family, mode, prompts, label) -> dict:
         outs = vllm_greedy(llm, prompts, n)
     for prompt, out in zip(prompts, outs):
         check_logprobs_close(hf_greedy(model_path(family), prompt, n), out, f"{label} {prompt!r}",
-                             dtype=dtype_of(family))
+                             dtype=dtype_of(family), quantized=family in QUANTIZED)
     assert len(made["steps"]) >= n, made["steps"]  # one step per generated token, at least
     assert made["replayed"] == expected_replays(mode, made["steps"], num_layers(llm),
                                                 max(CAPTURE_SIZES)), made
@@ -63,7 +71,7 @@ def test_graphs_captured_per_piece_and_size_on_our_backend(graph_llm):
     assert llm.llm_engine.vllm_config.compilation_config.cudagraph_mode.name == mode
     assert str(llm.llm_engine.vllm_config.model_config.dtype) == \
         f"torch.{dtype_of(family)}"
-    assert loaded_class(llm) == OUR_CLASSES[family]  # the per-family file, with its fusions
+    assert loaded_class(llm) == OUR_CLASSES[base_family(family)]  # the family file, its fusions
 
     def probe(worker):
         from vllm_ascend import device

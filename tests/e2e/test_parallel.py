@@ -6,7 +6,7 @@ communication groups cost. Data parallelism: test_serve.py.
 Two engines (each spawns two workers, ~20 s) cover every kind of graph: TP=2 in FULL replays
 FULL graphs for decode, prefill and mixed batches, with an all-reduce per layer inside them, on
 a mixture-of-experts model with expert parallelism (each rank computes its half of the experts,
-the all-reduce sums them); PP=2 in FULL_AND_PIECEWISE replays FULL decode graphs and, for a
+the all-reduce sums them) exported in W8A8; PP=2 in FULL_AND_PIECEWISE replays FULL decode graphs and, for a
 prefill that fits the largest size, PIECEWISE pieces, on both stages (the tiny Llama). Prefills
 above the largest size run eagerly (NONE) in both. FULL_DECODE_ONLY captures the same FULL decode
 graphs, PIECEWISE the same pieces; `scripts/check_parallel.py` runs all four modes at TP=2 or
@@ -16,7 +16,8 @@ import re
 
 import pytest
 
-from tests.e2e.conftest import (PROMPTS, check_logprobs_close, engine, expected_replays,
+from tests.e2e.conftest import (PROMPTS, QUANTIZED, check_logprobs_close, engine,
+                                expected_replays,
                                 graph_counts_per_rank, hf_greedy, MAX_TOKENS, model_path,
                                 platform_log, replays, vllm_greedy)
 
@@ -25,8 +26,12 @@ from tests.e2e.conftest import (PROMPTS, check_logprobs_close, engine, expected_
 # In float16 (docs/moe.md#tests-and-figures): in bfloat16 a rounding swaps two of the tiny
 # model's experts whose router scores tie (a gap of 0.003 at one token of these prompts), and the
 # output then differs from HF's for a reason that is not a bug.
-LAYOUTS = {"TP=2 EP": ("qwen2_moe", {"tensor_parallel_size": 2, "dtype": "float16",
-                                     "enable_expert_parallel": True}),
+# The model is a W8A8 export (static in layer 0, dynamic in layer 1, experts FLOAT): the int8
+# weights, their per-channel scales and W8A8's int32 quant_bias split by column and by row (the
+# row-split layers add quant_bias on rank 0 only), against the fp32 reference with the same
+# quantization.
+LAYOUTS = {"TP=2 EP": ("qwen2_moe-w8a8-mixed", {"tensor_parallel_size": 2, "dtype": "float16",
+                                                "enable_expert_parallel": True}),
            "PP=2": ("llama", {"pipeline_parallel_size": 2})}
 CASES = [("TP=2 EP", "FULL"), ("PP=2", "FULL_AND_PIECEWISE")]
 CAPTURE_SIZES = [1, 2, 4]
@@ -60,7 +65,8 @@ def test_greedy_output_equals_tp1_with_graph_replays_on_every_rank(parallel_llm)
     dtype = LAYOUTS[layout][1].get("dtype", "bfloat16")
     for prompt, out in zip(PROMPTS + [SHORT], outs):
         check_logprobs_close(hf_greedy(model_path(family), prompt, n), out,
-                             f"{layout} {mode} {prompt!r}", dtype=dtype)
+                             f"{layout} {mode} {prompt!r}", dtype=dtype,
+                             quantized=family in QUANTIZED)
     assert len(made["ranks"]) == 2
     for rank, (made_here, layers) in enumerate(zip(made["ranks"], rank_layers(llm))):
         assert len(made_here["steps"]) >= 2 * n, (rank, made_here)  # a step per token, at least

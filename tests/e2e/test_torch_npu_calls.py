@@ -3,9 +3,11 @@
 Two engines of a tiny Qwen3-MoE run with the simulator's call log on: an eager one (every op
 called from Python) and one in FULL_AND_PIECEWISE (attention eager between pieces, FIA captured
 in FULL graphs and updated every step; its compiled pieces call their ops directly, unlogged); a
-third, of a tiny DeepSeek-V2 in FULL_AND_PIECEWISE, makes the MLA calls. Each distinct call shape
-must match the table below, written from ../shared/TORCH_NPU_CONTRACTS.md (op name, positional
-count, keyword names, dtypes, ranks, contiguity), and every API of the table must be used.
+third, of a tiny DeepSeek-V2 in FULL_AND_PIECEWISE, makes the MLA calls; a fourth, eager, of a
+W8A8 export of the tiny Llama (one dynamic, one static layer), the quantized ones. Each distinct
+call shape must match the table below, written from ../shared/TORCH_NPU_CONTRACTS.md and
+docs/torch_npu_calls.md (op name, positional count, keyword names, dtypes, ranks, contiguity),
+and every API of the table must be used.
 """
 
 import json
@@ -105,6 +107,22 @@ TABLE = {
         **MLA_FIA, "workspace": tensor(1),
         "out": lambda d: isinstance(d, list) and tensor(4)(d[0]) and tensor(1)(d[1])}),
     "npu_transpose_batchmatmul": ([tensor(3), tensor(3)], {"perm_y": HOST_LIST}),
+    # W8A8 (quantization/methods/w8a8_dynamic.py apply, w8a8_static.py apply through
+    # ops/register_custom_ops.py _quantize_impl), and the norm-quant fusion pass's replacements
+    # (compilation/passes/norm_quant_fusion_pass.py AddRMSNormQuantPattern,
+    # AddRMSNormDynamicQuantPattern).
+    "npu_dynamic_quant": ([tensor(2)], {"dst_type": value("dtype")}),
+    "npu_quantize": ([tensor(2), tensor(1), tensor(1), value("dtype"), INT, value("bool")], {}),
+    "npu_quant_matmul": [
+        ([tensor(2, ("int8",)), tensor(2, ("int8",)), tensor(1, ("float32",))],
+         {"pertoken_scale": tensor(1, ("float32",)), "bias": value("NoneType"),
+          "output_dtype": value("dtype")}),
+        ([tensor(2, ("int8",)), tensor(2, ("int8",)), tensor(1, ("float32", "int64"))],
+         {"bias": tensor(1, ("int32",)), "output_dtype": value("dtype")})],
+    "npu_add_rms_norm_quant": ([tensor(2), tensor(2), tensor(1), tensor(1), tensor(1)],
+                               {"epsilon": FLOAT}),
+    "npu_add_rms_norm_dynamic_quant": ([tensor(2), tensor(2), tensor(1)], {
+        "epsilon": FLOAT, "output_mask": value(["bool", "bool"])}),
     # model_runner_v1.py / acl_graph.py / attention_v1.py: graphs, task groups, events
     "npu.graph": ([value("NPUGraph")], {"pool": value("_PoolHandle")}),
     "npu.graph_pool_handle": ([], {}),
@@ -137,6 +155,9 @@ def call_log(tmp_path_factory):
                 "cudagraph_mode": "FULL_AND_PIECEWISE", "cudagraph_capture_sizes": [1, 2, 4]}}):
             with engine(model_path("qwen3_moe"), max_num_seqs=4, **mode) as llm:
                 vllm_greedy(llm, ["The capital of France is", "1, 2, 3,", "Hello"], 6)
+        # A W8A8 export with a dynamic and a static layer: every quantized call, eagerly.
+        with engine(model_path("llama-w8a8-mixed"), max_num_seqs=4, enforce_eager=True) as llm:
+            vllm_greedy(llm, ["The capital of France is", "Hello"], 4)
         # DeepSeek-V2's MLA: its prefill between pieces, its decode captured and updated (and
         # eager in the warm-up before capture).
         with engine(model_path("deepseek_v2"), max_num_seqs=4, compilation_config={

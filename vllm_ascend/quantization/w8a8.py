@@ -138,7 +138,7 @@ class W8A8DynamicMethod(W8A8Method):
             dtype = layer.params_dtype
         else:
             dtype = x.dtype
-            x, scale = torch_npu.npu_dynamic_quant(x)
+            x, scale = torch_npu.npu_dynamic_quant(x, dst_type=torch.int8)
         return torch_npu.npu_quant_matmul(x, layer.weight, layer.weight_scale,
                                           pertoken_scale=scale, bias=bias, output_dtype=dtype)
 

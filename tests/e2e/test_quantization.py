@@ -1,0 +1,131 @@
+"""W8A8 checkpoints in ModelSlim's format (docs/quantization.md): exports of the tiny Llama and
+Qwen3 load without a flag and stay close to the fp32 reference that applies the same
+quantization (w8a8_reference.py), with the graphs each mode calls for replayed; a malformed
+export fails at load with the layer's name and the fix.
+
+Modes: every scheme runs eagerly, in PIECEWISE pieces and in FULL graphs somewhere in the suite:
+here Qwen3's static W8A8 export in NONE and FULL_AND_PIECEWISE, its W8A8_DYNAMIC export in
+FULL_DECODE_ONLY, the Llama W8A8_DYNAMIC export in NONE; test_graph_modes.py runs the Llama exports
+in PIECEWISE (dynamic) and FULL (static) through all its checks; test_parallel.py runs a mixed
+Qwen2-MoE export at TP=2; test_torch_npu_calls.py checks every quantized call's shape."""
+
+import json
+import pathlib
+import shutil
+
+import pytest
+
+from tests.e2e.conftest import (PROMPTS, QUANTIZED, check_logprobs_close, engine, expected_replays,
+                                hf_greedy, MAX_TOKENS, model_path, replays, vllm_greedy)
+
+CASES = [("qwen3-w8a8", "NONE"), ("qwen3-w8a8", "FULL_AND_PIECEWISE"),
+         ("qwen3-w8a8-dynamic", "FULL_DECODE_ONLY"), ("llama-w8a8-dynamic", "NONE")]
+CAPTURE_SIZES = [1, 2, 4]
+SHORT = "Hi there"  # a prefill within the largest capture size: PIECEWISE pieces replay for it
+
+
+@pytest.fixture(scope="module", params=CASES, ids=lambda p: f"{p[0]}-{p[1]}")
+def quantized_llm(request):
+    name, mode = request.param
+    mode_args = {"enforce_eager": True} if mode == "NONE" else {"compilation_config": {
+        "cudagraph_mode": mode, "cudagraph_capture_sizes": CAPTURE_SIZES}}
+    # No quantization argument: the export's quant_model_description.json selects it.
+    with engine(model_path(name), max_num_seqs=4, dtype=QUANTIZED[name][2], **mode_args) as llm:
+        yield name, mode, llm
+
+
+def test_an_export_runs_quantized_and_close_to_its_reference(quantized_llm):
+    name, mode, llm = quantized_llm
+    assert llm.llm_engine.vllm_config.model_config.quantization == "ascend"
+    n, prompts = MAX_TOKENS, PROMPTS + [SHORT]
+    with replays(llm) as made:
+        outs = vllm_greedy(llm, PROMPTS, n) + vllm_greedy(llm, [SHORT], n)  # SHORT alone
+    for prompt, out in zip(prompts, outs):
+        check_logprobs_close(hf_greedy(model_path(name), prompt, n), out, f"{name} {mode} "
+                             f"{prompt!r}", dtype=QUANTIZED[name][2], quantized=True)
+    layers = llm.llm_engine.vllm_config.model_config.hf_config.num_hidden_layers
+    expected = expected_replays(mode, made["steps"], layers, max(CAPTURE_SIZES))
+    assert made["replayed"] == expected, made
+    if mode != "NONE":
+        assert expected.get("FULL"), made  # decode steps replayed FULL graphs
+    if mode == "FULL_AND_PIECEWISE":
+        assert expected.get("PIECEWISE"), made  # the short prefill's pieces
+
+
+def test_layers_hold_int8_weights_and_norms_quantize_for_them(quantized_llm):
+    name, mode, llm = quantized_llm
+    scheme = QUANTIZED[name][1]
+
+    def probe(model):
+        from vllm.model_executor.layers.linear import LinearBase
+
+        linear = [m for m in model.modules() if isinstance(m, LinearBase)]
+        fused = sum(getattr(m, "quantized_for", None) is not None for m in model.modules())
+        return (sorted({type(m.quant_method).__name__ for m in linear}),
+                sorted({str(m.weight.dtype) for m in linear}), fused)
+
+    linear, weights, fused = llm.apply_model(probe)[0]
+    method = {"W8A8_DYNAMIC": "W8A8DynamicMethod", "W8A8": "W8A8StaticMethod"}[scheme]
+    assert linear == [method] and weights == ["torch.int8"]
+    # Per decoder layer, both norms before a quantized layer (input -> qkv_proj, post-attention
+    # -> gate_up_proj) quantize its activation in their kernel.
+    layers = llm.llm_engine.vllm_config.model_config.hf_config.num_hidden_layers
+    assert fused == 2 * layers
+
+
+# -- malformed exports ---------------------------------------------------------------------------
+
+def broken_export(tmp_path, edit) -> str:
+    """A copy of the Llama W8A8_DYNAMIC export with ``edit(tensors, description)`` applied."""
+    import safetensors.torch
+
+    src = pathlib.Path(model_path("llama-w8a8-dynamic"))
+    dst = tmp_path / "broken"
+    shutil.copytree(src, dst)
+    weights = next(dst.glob("*.safetensors"))
+    tensors = safetensors.torch.load_file(str(weights))
+    description = json.loads((dst / "quant_model_description.json").read_text())
+    edit(tensors, description)
+    safetensors.torch.save_file(tensors, str(weights), metadata={"format": "pt"})
+    (dst / "quant_model_description.json").write_text(json.dumps(description))
+    return str(dst)
+
+
+def drop_weight_scale(tensors, description):
+    del tensors["model.layers.1.mlp.down_proj.weight_scale"]
+
+
+def float_weight(tensors, description):
+    name = "model.layers.0.self_attn.k_proj.weight"
+    tensors[name] = tensors[name].half()
+
+
+def list_a_static_tensor(tensors, description):
+    description["model.layers.0.mlp.up_proj.input_scale"] = "W8A8_DYNAMIC"
+
+
+@pytest.mark.parametrize("edit,message", [
+    (drop_weight_scale, r"model\.layers\.1\.mlp\.down_proj: the checkpoint has no weight_scale "
+                        r"for it \(a W8A8_DYNAMIC layer carries weight, weight_scale, "
+                        r"weight_offset\)\. Re-export the model with ModelSlim"),
+    (float_weight, r"model\.layers\.0\.self_attn\.qkv_proj\.weight is torch\.float16 in the "
+                   r"checkpoint; a W8A8_DYNAMIC layer's weight must be int8\. Re-export"),
+    (list_a_static_tensor, r"model\.layers\.0\.mlp\.up_proj is W8A8_DYNAMIC but the checkpoint "
+                           r"also lists input_scale, which a W8A8_DYNAMIC layer does not carry"),
+], ids=["missing-weight_scale", "float-weight", "unexpected-tensor"])
+def test_a_malformed_export_fails_at_load_naming_the_layer(tmp_path, edit, message):
+    from vllm_ascend.quantization.w8a8 import CheckpointError
+
+    with pytest.raises(CheckpointError, match=message):
+        with engine(broken_export(tmp_path, edit), enforce_eager=True):
+            pass
+
+
+def test_the_ascend_method_on_a_float_checkpoint_says_what_to_do():
+    from vllm.engine.arg_utils import EngineArgs
+
+    with pytest.raises(ValueError, match=r"quantization='ascend' reads ModelSlim checkpoints, and "
+                       r".* has no quant_model_description\.json: it is not a ModelSlim export\. "
+                       r"Drop --quantization ascend"):
+        EngineArgs(model_path("llama"), quantization="ascend",
+                   max_model_len=256).create_engine_config()
