@@ -5,11 +5,16 @@ measured side by side in one run.
     python benchmarks/decode_throughput.py --models tiny smollm2 \
         --modes gemm hf eager PIECEWISE FULL FULL_AND_PIECEWISE --batches 1 8
     python benchmarks/decode_throughput.py --models qwen3-moe qwen2-moe   # mixture of experts
+    python benchmarks/decode_throughput.py --models tiny tiny-w8a8-dynamic tiny-w8a8 \
+        --modes eager FULL_AND_PIECEWISE                                # W8A8 against bf16
 
 Decode time excludes prefill: each batch is generated twice, for 1 and for 1 + N new tokens
 (greedy, EOS ignored), and ms/step is the difference over N. One engine (or HF model) at a time,
 after a warm-up generation, the fastest of 3 runs. Ratios are speed ratios (higher is faster) against eager and against
-HF in the same run. The 'gemm' row is the floor: the step's matrix products alone.
+HF in the same run. The 'gemm' row is the floor: the step's matrix products alone. The W8A8
+exports of the tiny Llama (docs/quantization.md) are compared with the bf16 model ('vs bf16'):
+on the simulator that measures the quantized operators' host overhead, not the chip's int8
+speed ('hf' and 'gemm' rows are skipped for them).
 """
 
 import argparse
@@ -101,7 +106,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["tiny", "smollm2"],
-                        choices=["tiny", "smollm2", "qwen3-moe", "qwen2-moe"])
+                        choices=["tiny", "smollm2", "qwen3-moe", "qwen2-moe",
+                                 "tiny-w8a8-dynamic", "tiny-w8a8"])
     parser.add_argument("--modes", nargs="+",
                         default=["gemm", "hf", "eager", "FULL_AND_PIECEWISE"],
                         help="'hf' (transformers generate), 'gemm' (the step's matrix "
@@ -112,10 +118,12 @@ def main():
                         help="model classes: vllm-ascend's per-family files or upstream vLLM's")
     args = parser.parse_args()
 
-    from scripts.models import smollm2_dir, tiny_model_dir
+    from scripts.models import quantized_model_dir, smollm2_dir, tiny_model_dir
 
     paths = {"tiny": tiny_model_dir("llama"), "smollm2": str(smollm2_dir()),
-             "qwen3-moe": tiny_model_dir("qwen3_moe"), "qwen2-moe": tiny_model_dir("qwen2_moe")}
+             "qwen3-moe": tiny_model_dir("qwen3_moe"), "qwen2-moe": tiny_model_dir("qwen2_moe"),
+             "tiny-w8a8-dynamic": quantized_model_dir("llama", "W8A8_DYNAMIC", "bfloat16"),
+             "tiny-w8a8": quantized_model_dir("llama", "W8A8", "bfloat16")}
     results = {}
     for model in args.models:
         for classes in args.classes:
@@ -124,7 +132,7 @@ def main():
             os.environ["VLLM_PLUGINS"] = "ascend" if classes == "upstream" else \
                 "ascend,ascend_models"
             for mode in args.modes:
-                if mode in ("hf", "gemm") and classes != args.classes[0]:
+                if mode in ("hf", "gemm") and (classes != args.classes[0] or "w8a8" in model):
                     continue
                 start = time.perf_counter()
                 if mode == "gemm":
@@ -149,16 +157,17 @@ def main():
                 del llm, generate
                 gc.collect()
 
-    print(f"\n{'model':9} {'classes':9} {'mode':20} {'batch':>5} {'ms/step':>9} {'tok/s':>9} "
-          f"{'vs eager':>9} {'vs HF':>7} {'vs upstream':>11}")
+    print(f"\n{'model':17} {'classes':9} {'mode':20} {'batch':>5} {'ms/step':>9} {'tok/s':>9} "
+          f"{'vs eager':>9} {'vs HF':>7} {'vs upstream':>11} {'vs bf16':>7}")
     for (model, classes, mode, batch), ms in results.items():
         def ratio(key):
             base = results.get(key)
             return f"{base / ms:.2f}x" if base and key != (model, classes, mode, batch) else "-"
         up = ratio((model, "upstream", mode, batch)) if classes != "upstream" else "-"
-        print(f"{model:9} {classes:9} {mode:20} {batch:5d} {ms:9.2f} {1000 * batch / ms:9.1f} "
+        print(f"{model:17} {classes:9} {mode:20} {batch:5d} {ms:9.2f} {1000 * batch / ms:9.1f} "
               f"{ratio((model, classes, 'eager', batch)):>9} "
-              f"{ratio((model, args.classes[0], 'hf', batch)):>7} {up:>11}")
+              f"{ratio((model, args.classes[0], 'hf', batch)):>7} {up:>11} "
+              f"{ratio(('tiny', classes, mode, batch)) if 'w8a8' in model else '-':>7}")
 
 
 if __name__ == "__main__":
