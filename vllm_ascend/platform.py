@@ -268,7 +268,7 @@ class NPUPlatform(Platform):
                 model_config, vllm_config.load_config)
         config = vllm_config.quant_config
         if isinstance(config, quantization.AscendModelSlimConfig):
-            logger.info("vllm-ascend: ModelSlim checkpoint (quantization='%s'): %s linear layers",
+            logger.info("vllm-ascend: ModelSlim checkpoint (quantization='%s'), layer types %s",
                         quantization.METHOD, ", ".join(sorted(config.types())))
 
     @classmethod

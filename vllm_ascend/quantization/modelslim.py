@@ -8,6 +8,7 @@ Supported here: W8A8_DYNAMIC and W8A8 linear layers, FLOAT anywhere. Quantized M
 embeddings, LM heads and other types are refused at start-up with the layer's name.
 """
 
+import collections
 import json
 import os
 
@@ -88,6 +89,16 @@ class AscendModelSlimConfig(QuantizationConfig):
         with open(path) as f:
             self.description = json.load(f)
 
+    def tensors_of(self, layer: str) -> set[str]:
+        """The tensor names (``weight``, ``weight_scale``, ...) the description lists for a
+        layer, from an index built once."""
+        if getattr(self, "_index", None) is None:
+            self._index = collections.defaultdict(set)
+            for key in self.description:
+                module, _, name = key.rpartition(".")
+                self._index[module].add(name)
+        return self._index.get(layer, set())
+
     def types(self) -> set[str]:
         return {v for k, v in self.description.items() if k.endswith(".weight")}
 
@@ -132,9 +143,7 @@ class AscendModelSlimConfig(QuantizationConfig):
                 raise CheckpointError(
                     f"{shard} is {quant_type}; vllm-ascend runs "
                     f"{', '.join(sorted(CARRIES))} layers. {FIX} with one of those types")
-            listed = {k[len(shard) + 1:] for k in self.description
-                      if k.startswith(shard + ".") and "." not in k[len(shard) + 1:]}
-            unexpected = listed - CARRIES[quant_type] - {"bias"}
+            unexpected = self.tensors_of(shard) - CARRIES[quant_type] - {"bias"}
             if unexpected:
                 raise CheckpointError(
                     f"{shard} is {quant_type} but the checkpoint also lists "
