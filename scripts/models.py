@@ -227,7 +227,8 @@ def quantized_model_dir(family: str, types: "str | tuple[str, ...]",
     src = tiny_model_dir(family)
     config = transformers.AutoConfig.from_pretrained(src)
     per_layer = (types,) * config.num_hidden_layers if isinstance(types, str) else tuple(types)
-    tag = "-".join(t.lower() for t in dict.fromkeys(per_layer))
+    named = per_layer[:1] if len(set(per_layer)) == 1 else per_layer  # each layer's, if mixed
+    tag = "-".join(t.lower() for t in named)
     path = CACHE / "models" / f"tiny-{family}-{tag}-{dtype}-q1"
     if (path / "config.json").exists():
         return str(path)

@@ -312,9 +312,9 @@ def hf_prompt_logprobs(path: str, ids: tuple[int, ...]) -> list[float]:
 def check_logprobs_close(reference, actual, label="", dtype="bfloat16", quantized=False):
     """The rule for low-precision output (vLLM's ``check_logprobs_close``, plus values): while the
     greedy sequences agree, each chosen token's logprob differs from the reference's by at most
-    LOGPROB_TOLERANCE[dtype] (LOGPROB_TOLERANCE_W8A8 for a W8A8 model); they may part only at a position where each side's token is among
-    the other's top-k logprobs, and the comparison stops there (what follows depends on a
-    different prefix)."""
+    LOGPROB_TOLERANCE[dtype] (LOGPROB_TOLERANCE_W8A8 for a W8A8 model); they may part only at a
+    position where each side's token is among the other's top-k logprobs, and the comparison
+    stops there (what follows depends on a different prefix)."""
     (ref_tokens, ref_lps), (tokens, lps) = reference, actual
     tolerance = max(LOGPROB_TOLERANCE[dtype], LOGPROB_TOLERANCE_W8A8 if quantized else 0)
     assert len(tokens) == len(ref_tokens), f"{label}: {len(tokens)} tokens, expected {len(ref_tokens)}"
@@ -324,7 +324,8 @@ def check_logprobs_close(reference, actual, label="", dtype="bfloat16", quantize
             assert drift <= tolerance, (
                 f"{label}: token {i} ({t}) has logprob {lps[i][t]:.4f}, reference "
                 f"{ref_lps[i][rt]:.4f}: {drift:.4f} apart, more than the {tolerance} {dtype}"
-                f"{' W8A8' if quantized else ''} allows\ngot       {tokens}\nreference {ref_tokens}")
+                f"{' W8A8' if quantized else ''} allows\ngot       {tokens}\n"
+                f"reference {ref_tokens}")
             continue
         assert rt in lps[i] and t in ref_lps[i], (
             f"{label}: token {i} is {t}, reference {rt}, and they are not in each other's top "

@@ -1,8 +1,8 @@
 """Graph modes through the real engine, on the tiny Llama (PIECEWISE and FULL on its W8A8
 exports, dynamic and static): it equals HF transformers (and so eager; for an export, the fp32
-reference with the same quantization), for batches that hit a capture size, fall between sizes (padding) and exceed the largest
-(no graph: the eager path), and for a prefill that fits a graph; every check also counts the
-graphs that replayed, so an eager fallback fails it."""
+reference with the same quantization), for batches that hit a capture size, fall between sizes
+(padding) and exceed the largest (no graph: the eager path), and for a prefill that fits a
+graph; every check also counts the graphs that replayed, so an eager fallback fails it."""
 
 import pytest
 

@@ -6,11 +6,11 @@ communication groups cost. Data parallelism: test_serve.py.
 Two engines (each spawns two workers, ~20 s) cover every kind of graph: TP=2 in FULL replays
 FULL graphs for decode, prefill and mixed batches, with an all-reduce per layer inside them, on
 a mixture-of-experts model with expert parallelism (each rank computes its half of the experts,
-the all-reduce sums them) exported in W8A8; PP=2 in FULL_AND_PIECEWISE replays FULL decode graphs and, for a
-prefill that fits the largest size, PIECEWISE pieces, on both stages (the tiny Llama). Prefills
-above the largest size run eagerly (NONE) in both. FULL_DECODE_ONLY captures the same FULL decode
-graphs, PIECEWISE the same pieces; `scripts/check_parallel.py` runs all four modes at TP=2 or
-more by hand, with or without expert parallelism."""
+the all-reduce sums them) exported in W8A8; PP=2 in FULL_AND_PIECEWISE replays FULL decode
+graphs and, for a prefill that fits the largest size, PIECEWISE pieces, on both stages (the tiny
+Llama). Prefills above the largest size run eagerly (NONE) in both. FULL_DECODE_ONLY captures
+the same FULL decode graphs, PIECEWISE the same pieces; `scripts/check_parallel.py` runs all
+four modes at TP=2 or more by hand, with or without expert parallelism."""
 
 import re
 

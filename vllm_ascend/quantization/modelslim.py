@@ -9,6 +9,7 @@ embeddings, LM heads and other types are refused at start-up with the layer's na
 """
 
 import collections
+import functools
 import json
 import os
 
@@ -89,15 +90,20 @@ class AscendModelSlimConfig(QuantizationConfig):
         with open(path) as f:
             self.description = json.load(f)
 
-    def tensors_of(self, layer: str) -> set[str]:
-        """The tensor names (``weight``, ``weight_scale``, ...) the description lists for a
-        layer, from an index built once."""
-        if getattr(self, "_index", None) is None:
-            self._index = collections.defaultdict(set)
-            for key in self.description:
-                module, _, name = key.rpartition(".")
-                self._index[module].add(name)
-        return self._index.get(layer, set())
+    @functools.cached_property
+    def _listed(self) -> dict[str, set[str]]:
+        """Each layer's tensor names (``weight``, ``weight_scale``, ...) in the description."""
+        listed = collections.defaultdict(set)
+        for key in self.description:
+            module, _, name = key.rpartition(".")
+            listed[module].add(name)
+        return listed
+
+    @functools.cached_property
+    def _quantized(self) -> dict[str, str]:
+        """The layers whose weight is not FLOAT, with their type."""
+        return {k.removesuffix(".weight"): v for k, v in self.description.items()
+                if k.endswith(".weight") and v != "FLOAT"}
 
     def types(self) -> set[str]:
         return {v for k, v in self.description.items() if k.endswith(".weight")}
@@ -109,11 +115,10 @@ class AscendModelSlimConfig(QuantizationConfig):
                 return UnquantizedLinearMethod()
             return SCHEMES[quant_type](prefix)
         if isinstance(layer, RoutedExperts):
-            found = {v for k, v in self.description.items()
-                     if k.startswith(prefix + ".") and k.endswith(".weight")}
-            if found - {"FLOAT"}:
+            found = {v for k, v in self._quantized.items() if k.startswith(prefix + ".")}
+            if found:
                 raise CheckpointError(
-                    f"{prefix}: the experts are {'/'.join(sorted(found - {'FLOAT'}))} in this "
+                    f"{prefix}: the experts are {'/'.join(sorted(found))} in this "
                     "checkpoint; vllm-ascend runs quantized linear layers but not quantized MoE "
                     "experts yet. Export the model with the experts left FLOAT (ModelSlim's "
                     "disable_names), or run the float checkpoint")
@@ -143,7 +148,7 @@ class AscendModelSlimConfig(QuantizationConfig):
                 raise CheckpointError(
                     f"{shard} is {quant_type}; vllm-ascend runs "
                     f"{', '.join(sorted(CARRIES))} layers. {FIX} with one of those types")
-            unexpected = self.tensors_of(shard) - CARRIES[quant_type] - {"bias"}
+            unexpected = self._listed.get(shard, set()) - CARRIES[quant_type] - {"bias"}
             if unexpected:
                 raise CheckpointError(
                     f"{shard} is {quant_type} but the checkpoint also lists "

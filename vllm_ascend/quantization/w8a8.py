@@ -133,14 +133,11 @@ class W8A8DynamicMethod(W8A8Method):
         return (y, scale), added
 
     def apply(self, layer, x, bias=None):
-        if isinstance(x, tuple):
-            x, scale = x
-            dtype = layer.params_dtype
-        else:
-            dtype = x.dtype
-            x, scale = torch_npu.npu_dynamic_quant(x, dst_type=torch.int8)
+        x, scale = x if isinstance(x, tuple) else torch_npu.npu_dynamic_quant(
+            x, dst_type=torch.int8)  # a tuple: quantized by the norm before (add_norm_quant)
         return torch_npu.npu_quant_matmul(x, layer.weight, layer.weight_scale,
-                                          pertoken_scale=scale, bias=bias, output_dtype=dtype)
+                                          pertoken_scale=scale, bias=bias,
+                                          output_dtype=layer.params_dtype)
 
 
 class W8A8StaticMethod(W8A8Method):

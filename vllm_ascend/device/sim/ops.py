@@ -442,11 +442,17 @@ def _op_error(op):
     return lambda code, message: AscendOpError(op, f"aclnn op of {op}", code, message)
 
 
-def _rms(x, gamma, eps):
-    """(y, rstd): rstd is float32 [..., 1], as torch_npu returns it."""
+def rms_float(x, gamma, eps):
+    """(y, rstd) in float32: the norm before any rounding to x's dtype."""
     xf = x.float()
     rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (xf * rstd * gamma.float()).to(x.dtype), rstd
+    return xf * rstd * gamma.float(), rstd
+
+
+def _rms(x, gamma, eps):
+    """(y, rstd): rstd is float32 [..., 1], as torch_npu returns it."""
+    y, rstd = rms_float(x, gamma, eps)
+    return y.to(x.dtype), rstd
 
 
 def _check_norm(op, x, gamma):

@@ -5,13 +5,14 @@ contract and its source (torch_npu's API reference; CANN's aclnn pages for the f
 
 Only the combinations the product uses are simulated (int8 in, no smoothing, no asymmetric
 weight offsets); anything else is refused by name, not ignored. Rounding is half to even, and
-int8 results saturate at [-128, 127].
+int8 results saturate at [-128, 127]. The fused norms quantize the float32 norm, not its
+rounding to x's dtype.
 """
 
 import torch
 from torch.library import Library
 
-from vllm_ascend.device.sim.ops import PARAM_INVALID, TILING_ERROR, AscendOpError
+from vllm_ascend.device.sim.ops import PARAM_INVALID, TILING_ERROR, AscendOpError, rms_float
 
 _lib = Library("ascend_sim", "FRAGMENT")
 HALF = (torch.float16, torch.bfloat16)
@@ -24,6 +25,12 @@ def _error(op):
 
 def _to_int8(x: torch.Tensor) -> torch.Tensor:
     return torch.round(x).clamp_(-128, 127).to(torch.int8)
+
+
+def _affine(x: torch.Tensor, scales, zero_points, div_mode: bool) -> torch.Tensor:
+    """int8 of ``x / scales + zero_points`` (div_mode) or ``x * scales + zero_points``."""
+    y = x.float() / scales.float() if div_mode else x.float() * scales.float()
+    return _to_int8(y if zero_points is None else y + zero_points.float())
 
 
 def _per_token(y: torch.Tensor):
@@ -90,11 +97,7 @@ def _quantize_impl(input, scales, zero_points, dtype, axis=1, div_mode=True):
         raise error(PARAM_INVALID, f"zero_points {list(zero_points.shape)} {zero_points.dtype} "
                     f"must have the shape (and with div_mode False the dtype) of scales "
                     f"{list(scales.shape)} {scales.dtype}")
-    x = input.float()
-    y = x / scales.float() if div_mode else x * scales.float()
-    if zero_points is not None:
-        y = y + zero_points.float()
-    return _to_int8(y)
+    return _affine(input, scales, zero_points, div_mode)
 
 
 def _decode_scale(error, scale: torch.Tensor) -> torch.Tensor:
@@ -173,12 +176,6 @@ def _check_add_norm(error, x1, x2, gamma):
     return x1 + x2
 
 
-def _norm(summed, gamma, epsilon):
-    """The norm in float32, quantized from there (not rounded to x's dtype first)."""
-    xf = summed.float()
-    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + epsilon) * gamma.float()
-
-
 def _add_rms_norm_quant_impl(x1, x2, gamma, scales1, zero_points1=None, beta=None, scales2=None,
                              zero_points2=None, axis=-1, epsilon=1e-6, div_mode=True):
     error = _error("npu_add_rms_norm_quant")
@@ -197,11 +194,8 @@ def _add_rms_norm_quant_impl(x1, x2, gamma, scales1, zero_points1=None, beta=Non
                     f"zero_points1 {None if zero_points1 is None else zero_points1.dtype} "
                     "match it")
     summed = _check_add_norm(error, x1, x2, gamma)
-    y = _norm(summed, gamma, epsilon)
-    q = y / scales1.float() if div_mode else y * scales1.float()
-    if zero_points1 is not None:
-        q = q + zero_points1.float()
-    return _to_int8(q), x1.new_empty((0,), dtype=torch.int8), summed
+    y = _affine(rms_float(summed, gamma, epsilon)[0], scales1, zero_points1, div_mode)
+    return y, x1.new_empty((0,), dtype=torch.int8), summed
 
 
 def _add_rms_norm_dynamic_quant_impl(x1, x2, gamma, *, smooth_scale1=None, smooth_scale2=None,
@@ -214,7 +208,7 @@ def _add_rms_norm_dynamic_quant_impl(x1, x2, gamma, *, smooth_scale1=None, smoot
         raise NotImplementedError("npu_add_rms_norm_dynamic_quant: only output_mask=[True, "
                                   "False] (one quantized output) is simulated")
     summed = _check_add_norm(error, x1, x2, gamma)
-    y_q, scale = _per_token(_norm(summed, gamma, epsilon))
+    y_q, scale = _per_token(rms_float(summed, gamma, epsilon)[0])
     empty = x1.new_empty((0,))
     return y_q, empty.to(torch.int8), summed, scale, empty.float()
 
