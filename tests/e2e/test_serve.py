@@ -15,6 +15,7 @@ test_fresh_machine.py, and test_graph_modes.py.)"""
 import collections
 import concurrent.futures
 import re
+import time
 
 import pytest
 import requests
@@ -31,6 +32,7 @@ MOE_LAYERS = 1  # its second layer (first_k_dense_replace 1)
 TOKENS = 16
 MAX_NUM_SEQS = 16
 RANK_0 = {"X-data-parallel-rank": "0"}
+DP_SYNC_INTERVAL = 16  # vLLM's default (--dp-sync-interval): how often DP engines sync idleness
 
 
 @pytest.fixture(scope="module")
@@ -140,19 +142,35 @@ def test_start_up_log_says_graph_mode_kept_sizes_graphs_streams_and_memory(serve
     assert f"dtype=torch.{DTYPE}" in log
 
 
+def replays_once_idle(base) -> list[collections.Counter]:
+    """DP engine 0's workers' replays once its lockstep wave has ended: the engines agree that
+    all are idle every DP_SYNC_INTERVAL steps, and until then run dummy batches (FULL graphs)
+    after their last request, while the answer is already back."""
+    counts = None
+    for _ in range(60):
+        now = [collections.Counter(c["replayed"]) for c in served_graph_counts(base)]
+        if now == counts:
+            return now
+        counts = now
+        time.sleep(0.5)
+    raise AssertionError(f"DP engine 0 still replays graphs 30 s after its answer: {counts}")
+
+
 def test_completions_answer_as_hf_with_a_piecewise_prefill_and_a_full_graph_per_decode(server):
     base, _ = server
-    before = [collections.Counter(c["replayed"]) for c in served_graph_counts(base)]
+    before = replays_once_idle(base)
     prompt = "The capital of France is"  # 6 tokens: a PIECEWISE prefill (padded to 8)
     check_logprobs_close(hf_greedy(model_path(FAMILY), prompt, TOKENS),
-                         served_completion(base, NAME, prompt, TOKENS, RANK_0), "completions", dtype=DTYPE)
-    after = [collections.Counter(c["replayed"]) for c in served_graph_counts(base)]
+                         served_completion(base, NAME, prompt, TOKENS, RANK_0), "completions",
+                         dtype=DTYPE)
+    after = replays_once_idle(base)
     for rank, (was, now) in enumerate(zip(before, after)):  # both TP ranks of DP engine 0
-        # A FULL graph per decode step, and one or two more: in lockstep an engine runs a dummy
-        # batch while its wave of steps winds down with the other engine.
+        # A FULL graph per decode step, then a dummy batch (a FULL graph) per step until the
+        # engines' next DP sync finds both idle: at most DP_SYNC_INTERVAL more, as the scheduler
+        # may report the request finished a step late (measured: 15 + 16 here).
         made = now - was
         assert made["PIECEWISE"] == LAYERS + 1 and \
-            TOKENS - 1 <= made["FULL"] <= TOKENS + 1, (rank, made)
+            TOKENS - 1 <= made["FULL"] <= TOKENS - 1 + DP_SYNC_INTERVAL, (rank, made)
 
 
 def test_chat_completions_answer_as_hf(server):
