@@ -53,16 +53,18 @@ def _tokenizer_dir() -> pathlib.Path:
     return smollm2_dir()
 
 
-def tiny_model_dir(family: str, dtype: str = "float32") -> str:
+def tiny_model_dir(family: str, dtype: str = "float32", seed: int = 1234) -> str:
     """A 2-layer random-weight model of `family`, saved once in `dtype` (float32, or bfloat16
-    for a checkpoint as most are published), with SmolLM2's tokenizer."""
+    for a checkpoint as most are published), with SmolLM2's tokenizer; another `seed` gives
+    other weights of the same shapes."""
     import torch
     import transformers
 
     config_cls, model_cls, extra = TINY_FAMILIES[family]
     version = "v3" if "moe" in family or "deepseek" in family else "v1"
-    path = CACHE / "models" / (f"tiny-{family}-{version}" if dtype == "float32" else
-                               f"tiny-{family}-{dtype}-{version}")
+    path = CACHE / "models" / ((f"tiny-{family}-{version}" if dtype == "float32" else
+                                f"tiny-{family}-{dtype}-{version}")
+                               + ("" if seed == 1234 else f"-seed{seed}"))
     if (path / "config.json").exists():
         return str(path)
     tok = transformers.AutoTokenizer.from_pretrained(_tokenizer_dir())
@@ -71,7 +73,7 @@ def tiny_model_dir(family: str, dtype: str = "float32") -> str:
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
         "max_position_embeddings": 1024, "tie_word_embeddings": False, "torch_dtype": dtype,
         "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, **extra})
-    torch.manual_seed(1234)
+    torch.manual_seed(seed)
     mtp = config.to_dict().get("num_nextn_predict_layers", 0)
     if mtp:  # build the MTP layers' decoder blocks as extra layers of the model
         config.num_hidden_layers += mtp

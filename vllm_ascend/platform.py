@@ -170,6 +170,9 @@ class NPUPlatform(Platform):
     def support_hybrid_kv_cache(cls) -> bool:
         return False
 
+    def is_sleep_mode_available(self) -> bool:
+        return True  # device_allocator/: CANN virtual memory keeps graphs' addresses
+
     @classmethod
     def pre_register_and_update(cls, parser=None) -> None:
         import vllm_ascend.quantization  # noqa: F401  (registers quantization="ascend")
@@ -187,6 +190,8 @@ class NPUPlatform(Platform):
                 "float32 checkpoint in bfloat16.")
         if model_config is not None:
             cls._select_quantization(vllm_config)
+        if model_config is not None and model_config.enable_sleep_mode:
+            cls._select_sleep_mode_backend(model_config)
         parallel_config = vllm_config.parallel_config
         # The engine core cleans up the device at shutdown even when its workers are other
         # processes (tensor parallelism): it needs the device's process set-up too.
@@ -251,6 +256,22 @@ class NPUPlatform(Platform):
         os.environ.setdefault("VLLM_DISABLE_SHARED_EXPERTS_STREAM", "1")
         cls._spawn_if_fork_is_unsafe()
         patch.apply()
+
+    @classmethod
+    def _select_sleep_mode_backend(cls, model_config) -> None:
+        """vLLM's default sleep-mode backend is CUDA's cumem; Ascend's is device_allocator/."""
+        from vllm_ascend.device_allocator import sleep
+
+        sleep.register()
+        if model_config.sleep_mode_backend == "cumem":
+            model_config.sleep_mode_backend = sleep.NAME
+        elif model_config.sleep_mode_backend != sleep.NAME:
+            raise ValueError(
+                f"sleep_mode_backend {model_config.sleep_mode_backend!r} is not available on "
+                f"Ascend; leave it unset (Ascend's is {sleep.NAME!r}).")
+        logger.info("vllm-ascend: sleep mode on: weights, KV cache and runtime buffers in "
+                    "CANN virtual memory, released by sleep() and mapped again at the same "
+                    "addresses by wake_up()")
 
     @classmethod
     def _select_quantization(cls, vllm_config: "VllmConfig") -> None:

@@ -35,6 +35,12 @@ class Backend:
         self.torch_npu = module
         self.reason = reason  # why this backend was chosen, for the start-up log line
 
+    @property
+    def acl(self) -> types.ModuleType:
+        """pyACL, CANN's Python runtime API (``acl``): what torch_npu does not wrap (virtual
+        memory management, for sleep mode)."""
+        return importlib.import_module("acl")
+
     def device_name(self) -> str:
         return self.torch_npu.npu.get_device_name(self.torch_npu.npu.current_device())
 
@@ -100,6 +106,12 @@ class NpuBackend(Backend):
 
 class SimBackend(Backend):
     name, torch_device_type, dist_backend, dispatch_key = "sim", "cpu", "gloo", "CPU"
+
+    @property
+    def acl(self) -> types.ModuleType:
+        from vllm_ascend.device.sim import acl
+
+        return acl
 
     def torch_device(self, index: int = 0) -> torch.device:
         return torch.device("cpu")  # vLLM builds "cpu:<rank>"; the host has one device

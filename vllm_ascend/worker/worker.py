@@ -1,6 +1,7 @@
 """NPUWorker: upstream's GPU worker with Ascend device set-up, memory budget and warm-up."""
 
 import contextlib
+import functools
 import gc
 import os
 import weakref
@@ -17,6 +18,8 @@ from vllm.v1.worker.worker_base import CompilationTimes
 
 from vllm_ascend import device, patch
 from vllm_ascend.device import torch_npu
+from vllm_ascend.device_allocator import sleep
+from vllm_ascend.device_allocator.vmm import NPUMemAllocator
 from vllm_ascend.worker.model_runner import NPUModelRunner
 
 logger = get_logger(__name__)
@@ -71,16 +74,55 @@ class NPUWorker(Worker):
         return current_platform.logical_device_id_to_visible_device_id(self.local_rank)
 
     def shutdown(self) -> None:
+        self._remove_bytecode_hooks()
         super().shutdown()
         if hasattr(self, "_device_hold"):
             self._device_hold()
+
+    def _remove_bytecode_hooks(self) -> None:
+        """vLLM's compiled models register a global Dynamo bytecode hook (a bound method) and
+        never remove it, so a shut-down engine's model stays alive in its process, weights and
+        all (and with sleep mode, its device memory): an RL loop or a test that makes engines
+        one after another would keep every earlier one's."""
+        runner = getattr(self, "model_runner", None)
+        models = [getattr(runner, "model", None), getattr(getattr(runner, "drafter", None),
+                                                          "model", None)]
+        for model in models:
+            for module in model.modules() if isinstance(model, torch.nn.Module) else ():
+                handle = getattr(module, "_bytecode_hook_handle", None)
+                if handle is not None:
+                    handle.remove()
 
     def _make_model_runner(self) -> NPUModelRunner:
         return NPUModelRunner(self.vllm_config, self.device)
 
     def _maybe_get_memory_pool_context(self, tag: str):
-        # Upstream's sleep-mode allocator is CUDA's cumem; there is none here.
-        return contextlib.nullcontext()
+        # Upstream's sleep-mode allocator is CUDA's cumem; Ascend's is device_allocator/.
+        if not self.model_config.enable_sleep_mode:
+            return contextlib.nullcontext()
+        sleep.register()  # the backend vLLM's worker builds at the first sleep
+        return self.sleep_allocator.use_memory_pool(tag)
+
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        # A step on memory that sleeps would read unmapped addresses (on the chip, an AI core
+        # exception at the next synchronize): say which wake-up is missing instead.
+        if self.model_config.enable_sleep_mode and self.sleep_allocator.asleep_tags():
+            raise RuntimeError(
+                f"The engine ran a step while its {', '.join(self.sleep_allocator.asleep_tags())} "
+                "memory is asleep: call wake_up() (or wake_up(tags=[...]) for each) first.")
+        return super().execute_model(scheduler_output, *args, **kwargs)
+
+    @functools.cached_property
+    def sleep_allocator(self) -> NPUMemAllocator:
+        """This worker's sleep-mode memory."""
+        return NPUMemAllocator()
+
+    @property
+    def sleep_mode_backend(self):
+        # vLLM's factory builds the backend without arguments: give it this worker's memory.
+        backend = super().sleep_mode_backend
+        backend.allocator = self.sleep_allocator
+        return backend
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
         super().load_model(load_dummy_weights=load_dummy_weights)

@@ -203,6 +203,10 @@ class _C:
     """torch_npu._C, as far as vllm-ascend reaches into it."""
 
     @staticmethod
+    def _npu_customAllocator(malloc_ptr: int, free_ptr: int):  # noqa: N802 (torch_npu's name)
+        return npu.memory.CustomAllocator(malloc_ptr, free_ptr)
+
+    @staticmethod
     def _weak_ref_tensor(tensor):
         # A non-owning alias: its memory is poisoned once its owner is released (graph.py).
         return _graph.weak_ref_tensor(tensor)

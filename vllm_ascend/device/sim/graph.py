@@ -30,6 +30,7 @@ from torch._C import DispatchKey
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 
+from vllm_ascend.device.sim import acl as _acl
 from vllm_ascend.device.sim import ledger as _ledger
 
 STREAM_EXHAUSTED_CODE = 207008
@@ -543,6 +544,8 @@ class SimGraph:
     def run(self, start: int = 0) -> int | None:
         """Run the segments from ``start``; returns the segment index it is blocked at (its
         event not recorded), or None when the replay finished."""
+        if _acl.any_unmapped():  # some device memory sleeps
+            self._check_mapped(start)
         ctx = torch.inference_mode() if self._inference else contextlib.nullcontext()
         with ctx, _ledger.replaying():
             for s in range(start, len(self.segments)):
@@ -557,6 +560,23 @@ class SimGraph:
                 if wait is not None and not wait.consume_for(self, s + 1):
                     return s + 1
         return None
+
+    def _check_mapped(self, start: int) -> None:
+        """A replay reads and writes its tensors where they were at capture: on the chip, an
+        address whose memory was unmapped (sleep mode) faults the AI core, reported at the next
+        synchronize; here before anything runs."""
+        for calls, _ in self.segments[start:]:
+            for fn, args, kwargs, _ in calls:
+                for t in _tensors((args, kwargs)):
+                    storage = t.untyped_storage()
+                    hole = _acl.unmapped_range_holding(storage.data_ptr(), storage.nbytes())
+                    if hole is not None:
+                        raise GraphReplayError(
+                            f"ACL error {_acl.ACL_ERROR_RT_AICORE_EXCEPTION} (aicore exception): "
+                            f"the graph's {getattr(fn, 'func', fn)} reads device memory at "
+                            f"{storage.data_ptr():#x}, in a range whose physical memory is "
+                            f"unmapped ({hole[0]:#x}, {hole[1]} bytes): the memory went to "
+                            "sleep and was not woken up before the replay")
 
     def reset(self) -> None:
         self.segments = []

@@ -20,6 +20,8 @@ Here the host is the device, so:
   sending", from its creation (CANN's HCCL_BUFFSIZE reference, envref_07_0080; the chip
   allocates it at the communicator's first collective, the simulator at its creation, the
   stricter reading).
+* **physical memory** that the runtime's virtual memory calls allocate (sim/acl.py: sleep mode's
+  pool) is torch's too, counted from those calls, since it lives outside the heap.
 * **out of memory**: when the two together exceed the device, the next look at the device's
   memory (a memory query: vLLM's profiling, the capture's log line) raises torch's
   ``OutOfMemoryError`` with the chip's wording; the chip fails at the allocation itself, which
@@ -66,6 +68,7 @@ class _Account:
         self.measuring = False  # a peak is being measured: look at each simulated op
         self.synced = False  # the device synchronised since the measurement began
         self.outside: dict[str, int] = {}  # what holds memory outside torch -> bytes
+        self.physical = 0  # sim/acl.py's physical memory, which a pool of torch's allocator holds
 
 
 _ACCOUNT = _Account()
@@ -80,8 +83,8 @@ def open_device() -> None:
 def allocated() -> int:
     """What torch's allocator holds on the device now; the peak follows it."""
     if _ACCOUNT.base is None:
-        return 0
-    current = max(_heap() - _ACCOUNT.base, 0)
+        return _ACCOUNT.physical
+    current = max(_heap() - _ACCOUNT.base, 0) + _ACCOUNT.physical
     if current > _ACCOUNT.peak:
         _ACCOUNT.peak = current
     return current
@@ -100,6 +103,18 @@ def op_ran() -> None:
 
 def synchronized() -> None:
     _ACCOUNT.synced = True
+
+
+def physical_changed(nbytes: int) -> None:
+    """sim/acl.py's physical memory now holds ``nbytes``."""
+    _ACCOUNT.physical = nbytes
+    allocated()  # the peak follows it
+
+
+def can_allocate(nbytes: int, total: int) -> bool:
+    """Whether the device has ``nbytes`` more to give (the runtime's physical allocations fail
+    at once when it has not, unlike torch's tensors, which the simulator cannot see)."""
+    return allocated() + outside_torch() + nbytes <= total
 
 
 def outside_torch() -> int:

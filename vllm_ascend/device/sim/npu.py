@@ -741,3 +741,6 @@ def mem_get_info(device=None) -> tuple[int, int]:
     current, _ = _check_memory("mem_get_info")
     total = total_memory()
     return max(total - current - _memory.outside_torch(), 0), total
+
+
+from vllm_ascend.device.sim import mempool as memory  # noqa: E402  (torch.npu.memory's pools)

@@ -1,0 +1,75 @@
+"""Sleep mode as RL loops use it, on the tiny Llama in graph modes: generate, sleep(1), wake up
+and generate the same; sleep(2), wake the weights, load another model's weights in place, wake
+the KV cache and generate as that model does. The graphs captured at start-up replay after each
+wake-up and none is captured again (the memory comes back at the same addresses); the simulated
+device's memory shows the weights and KV cache gone while asleep. (The server endpoints:
+test_serve.py; a replay of sleeping memory: tests/ut/test_sim_vmm.py.)"""
+
+import pytest
+
+from tests.e2e.conftest import (PROMPTS, check_logprobs_close, engine, expected_replays,
+                                graph_counts, hf_greedy, model_path, replays, vllm_greedy)
+from scripts.models import tiny_model_dir
+
+TOKENS = 8
+CAPTURE_SIZES = [1, 2, 4]
+LAYERS = 2
+# FULL_AND_PIECEWISE (the default: PIECEWISE prefills, FULL decodes) and NONE in the suite; the
+# other modes by hand (docs/sleep_mode.md): what sleep does to memory is the same for every graph
+# a mode captures.
+MODES = ["FULL_AND_PIECEWISE", "NONE"]
+
+
+def device_memory(worker) -> dict:
+    """The worker's device: bytes in use, and the sleep-mode pools' bytes per tag (mapped,
+    asleep)."""
+    from vllm_ascend.device import torch_npu
+
+    free, total = torch_npu.npu.mem_get_info()
+    return {"in_use": total - free, **worker.sleep_allocator.usage_by_tag()}
+
+
+def generate(llm, mode: str) -> list:
+    with replays(llm) as made:
+        outs = vllm_greedy(llm, PROMPTS, TOKENS)
+    assert made["replayed"] == expected_replays(mode, made["steps"], LAYERS,
+                                                max(CAPTURE_SIZES)), made
+    assert mode == "NONE" or made["replayed"], made
+    return outs
+
+
+def check_asleep(llm, awake: dict) -> None:
+    """Weights and KV cache hold no device memory: what is in use fell by at least both."""
+    asleep = llm.collective_rpc(device_memory)[0]
+    for tag in ("weights", "kv_cache"):
+        assert asleep[tag] == (0, awake[tag][0]) and awake[tag][0] > 0, (tag, asleep)
+    assert asleep["in_use"] <= awake["in_use"] - awake["weights"][0] - awake["kv_cache"][0], \
+        (awake, asleep)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_sleep_wake_and_new_weights_replay_the_same_graphs(mode):
+    other = tiny_model_dir("llama", seed=4321)  # the same shapes, other weights
+    with engine(model_path("llama"), enable_sleep_mode=True, max_num_seqs=8,
+                compilation_config={"cudagraph_mode": mode,
+                                    "cudagraph_capture_sizes": CAPTURE_SIZES}) as llm:
+        first = generate(llm, mode)
+        captured = graph_counts(llm)["captured"]
+        awake = llm.collective_rpc(device_memory)[0]
+
+        llm.sleep(level=1)  # weights to host memory, KV cache discarded
+        check_asleep(llm, awake)
+        llm.wake_up()
+        assert generate(llm, mode) == first  # the same weights, byte for byte
+
+        llm.sleep(level=2)  # both discarded
+        check_asleep(llm, awake)
+        llm.wake_up(tags=["weights"])
+        llm.collective_rpc("reload_weights", kwargs={"weights_path": other})
+        llm.wake_up(tags=["kv_cache"])
+        for prompt, out in zip(PROMPTS, generate(llm, mode)):
+            check_logprobs_close(hf_greedy(other, prompt, TOKENS), out, f"reloaded {prompt!r}")
+        assert graph_counts(llm)["captured"] == captured  # nothing captured again
+        woken = llm.collective_rpc(device_memory)[0]
+        assert {tag: woken[tag] for tag in awake if tag != "in_use"} == \
+            {tag: awake[tag] for tag in awake if tag != "in_use"}, (awake, woken)

@@ -1,0 +1,95 @@
+"""torch_npu's memory pools with a pluggable allocator (``torch.npu.memory``), on the CPU.
+
+On a chip, ``torch_npu._C._npu_customAllocator(malloc_fn, free_fn)`` wraps two C functions
+(``void*(size_t, int, aclrtStream)`` and ``void(void*, size_t, int, aclrtStream)``) as an
+allocator; ``MemPool(allocator)`` is a pool of torch's caching allocator whose segments come
+from it, and inside ``use_mem_pool(pool)`` every device tensor is carved from that pool.
+
+Here device tensors are host tensors, so ``use_mem_pool`` watches the ops run inside it (a
+dispatch mode) and moves every new storage into memory obtained from ``malloc_fn``; the memory
+goes back through ``free_fn`` when the storage dies. Two differences, both stricter in memory:
+each storage gets its own allocation (the chip's caching allocator packs small tensors into
+shared 2 MB segments), and host tensors made inside the pool (a checkpoint being read) are
+device tensors here, so they pass through the pool too (the chip reads them on the host).
+"""
+
+import contextlib
+import ctypes
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+MALLOC_FN = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
+FREE_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                           ctypes.c_void_p)
+
+
+class CustomAllocator:
+    """What ``torch_npu._C._npu_customAllocator`` returns: the two functions, by address."""
+
+    def __init__(self, malloc_ptr: int, free_ptr: int):
+        if not malloc_ptr or not free_ptr:
+            raise RuntimeError("_npu_customAllocator: a function pointer is null")
+        self.malloc = MALLOC_FN(malloc_ptr)
+        self.free = FREE_FN(free_ptr)
+
+
+class MemPool:
+    """A pool of device memory whose allocations come from ``allocator``."""
+
+    def __init__(self, allocator: CustomAllocator | None = None):
+        if not isinstance(allocator, CustomAllocator):
+            raise TypeError("MemPool: the simulator pools memory only from a custom allocator "
+                            "(torch_npu._C._npu_customAllocator)")
+        self.allocator = allocator
+
+    def adopt(self, t: torch.Tensor, device: int) -> torch.Tensor:
+        """``t``'s contents in memory from this pool's allocator."""
+        nbytes = t.untyped_storage().nbytes()
+        ptr = self.allocator.malloc(nbytes, device, None)
+        if not ptr:
+            raise torch.OutOfMemoryError(
+                f"NPU out of memory: the memory pool's allocator returned no memory for "
+                f"{nbytes} bytes")
+        block = (ctypes.c_char * nbytes).from_address(ptr)
+        # The allocator gets its memory back when the last tensor on it dies.
+        weakref.finalize(block, self.allocator.free, ptr, nbytes, device, None)
+        storage = torch.frombuffer(block, dtype=torch.uint8).untyped_storage()
+        storage.copy_(t.untyped_storage())
+        moved = torch.empty(0, dtype=t.dtype)
+        with torch.inference_mode(t.is_inference()):
+            moved.set_(storage, t.storage_offset(), t.size(), t.stride())
+        return moved
+
+
+class _Pooling(TorchDispatchMode):
+    """Moves each storage an op makes into the pool (not views, not in-place results)."""
+
+    def __init__(self, pool: MemPool, device: int):
+        super().__init__()
+        self.pool, self.device = pool, device
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        seen = {t.untyped_storage().data_ptr()
+                for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+
+        def adopt(t):
+            if (not isinstance(t, torch.Tensor) or type(t) is not torch.Tensor
+                    or t.device.type != "cpu" or t.untyped_storage().nbytes() == 0
+                    or t.untyped_storage().data_ptr() in seen):
+                return t
+            seen.add(t.untyped_storage().data_ptr())
+            return self.pool.adopt(t, self.device)
+
+        return tree_map(adopt, out)
+
+
+@contextlib.contextmanager
+def use_mem_pool(pool: MemPool, device=None):
+    from vllm_ascend.device.sim import npu
+
+    with _Pooling(pool, npu.current_device() if device is None else int(device)):
+        yield
