@@ -45,7 +45,7 @@ def test_physical_memory_counts_against_the_device_and_fails_beyond_it(monkeypat
     assert ret == 0 and npu.memory_allocated() >= allocated + 4 * MB2
     assert acl.rt.free_physical(handle) == 0
     monkeypatch.setenv("VLLM_ASCEND_SIM_MEMORY_GB", "0.5")
-    assert acl.rt.malloc_physical(256 * MB2, PROP, 0)[1] == acl.ACL_ERROR_RT_MEMORY_ALLOCATION
+    assert acl.rt.malloc_physical(512 * MB2, PROP, 0)[1] == acl.ACL_ERROR_RT_MEMORY_ALLOCATION
 
 
 def test_memcpy_needs_mapped_device_memory_and_host_memory():

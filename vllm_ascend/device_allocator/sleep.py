@@ -30,7 +30,7 @@ class AscendSleepBackend(SleepModeBackend):
     def suspend(self, level: int = 1) -> None:
         self._state = "SUSPENDED"
         allocator = self.allocator
-        kept = ALWAYS_KEPT
+        kept = ("weights", *ALWAYS_KEPT) if level == 1 else ALWAYS_KEPT
         allocator.sleep(offload_tags=kept)
         logger.info("vllm-ascend: sleep level %d: device memory released (%s), %s copied to host "
                     "memory; addresses stay reserved, so the captured graphs replay after "

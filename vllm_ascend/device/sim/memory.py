@@ -33,6 +33,7 @@ memory (stricter, not laxer); a worker that re-opens its device in the same proc
 an empty device, where the chip would still hold what an earlier worker leaked.
 """
 
+import contextlib
 import ctypes
 import ctypes.util
 import os
@@ -69,6 +70,7 @@ class _Account:
         self.synced = False  # the device synchronised since the measurement began
         self.outside: dict[str, int] = {}  # what holds memory outside torch -> bytes
         self.physical = 0  # sim/acl.py's physical memory, which a pool of torch's allocator holds
+        self.moving = 0  # heap bytes of a storage being moved into a pool (sim/mempool.py)
 
 
 _ACCOUNT = _Account()
@@ -84,7 +86,7 @@ def allocated() -> int:
     """What torch's allocator holds on the device now; the peak follows it."""
     if _ACCOUNT.base is None:
         return _ACCOUNT.physical
-    current = max(_heap() - _ACCOUNT.base, 0) + _ACCOUNT.physical
+    current = max(_heap() - _ACCOUNT.base - _ACCOUNT.moving, 0) + _ACCOUNT.physical
     if current > _ACCOUNT.peak:
         _ACCOUNT.peak = current
     return current
@@ -109,6 +111,17 @@ def physical_changed(nbytes: int) -> None:
     """sim/acl.py's physical memory now holds ``nbytes``."""
     _ACCOUNT.physical = nbytes
     allocated()  # the peak follows it
+
+
+@contextlib.contextmanager
+def moving(nbytes: int):
+    """A storage of ``nbytes`` on the heap is being moved into pool memory: on the chip it
+    would have been allocated in the pool in the first place, so it is not counted twice."""
+    _ACCOUNT.moving += nbytes
+    try:
+        yield
+    finally:
+        _ACCOUNT.moving -= nbytes
 
 
 def can_allocate(nbytes: int, total: int) -> bool:

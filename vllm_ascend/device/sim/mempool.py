@@ -21,6 +21,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from vllm_ascend.device.sim import memory as _memory
+
 MALLOC_FN = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
 FREE_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
                            ctypes.c_void_p)
@@ -48,7 +50,8 @@ class MemPool:
     def adopt(self, t: torch.Tensor, device: int) -> torch.Tensor:
         """``t``'s contents in memory from this pool's allocator."""
         nbytes = t.untyped_storage().nbytes()
-        ptr = self.allocator.malloc(nbytes, device, None)
+        with _memory.moving(nbytes):  # t's own storage is freed once moved
+            ptr = self.allocator.malloc(nbytes, device, None)
         if not ptr:
             raise torch.OutOfMemoryError(
                 f"NPU out of memory: the memory pool's allocator returned no memory for "
@@ -64,6 +67,9 @@ class MemPool:
         return moved
 
 
+_ACTIVE: list = []  # the pools in use, innermost last
+
+
 class _Pooling(TorchDispatchMode):
     """Moves each storage an op makes into the pool (not views, not in-place results)."""
 
@@ -73,6 +79,8 @@ class _Pooling(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if _ACTIVE[-1] is not self:  # pools nest: the innermost one allocates, as on the chip
+            return out
         seen = {t.untyped_storage().data_ptr()
                 for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
 
@@ -91,5 +99,10 @@ class _Pooling(TorchDispatchMode):
 def use_mem_pool(pool: MemPool, device=None):
     from vllm_ascend.device.sim import npu
 
-    with _Pooling(pool, npu.current_device() if device is None else int(device)):
-        yield
+    mode = _Pooling(pool, npu.current_device() if device is None else int(device))
+    _ACTIVE.append(mode)
+    try:
+        with mode:
+            yield
+    finally:
+        _ACTIVE.remove(mode)
