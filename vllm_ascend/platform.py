@@ -177,6 +177,13 @@ class NPUPlatform(Platform):
     def pre_register_and_update(cls, parser=None) -> None:
         import vllm_ascend.quantization  # noqa: F401  (registers quantization="ascend")
 
+        if parser is not None and parser.get_default("middleware") == []:  # `vllm serve`'s
+            from vllm_ascend import serving
+
+            # A request to a sleeping engine gets an error, not a wait (serving.py); the
+            # user's --middleware values are appended to it.
+            parser.set_defaults(middleware=[serving.MIDDLEWARE])
+
     @classmethod
     def check_and_update_config(cls, vllm_config: "VllmConfig") -> None:
         from vllm.config import CompilationMode

@@ -42,6 +42,11 @@ def server():
                      "--dtype", DTYPE,  # MoE closeness: see docs/moe.md#tests-and-figures
                      "--max-model-len", "512",
                      "--max-num-seqs", str(MAX_NUM_SEQS), "--api-server-count", "1",
+                     "--enable-sleep-mode",  # as RL frameworks serve rollouts
+                     # vLLM's KV budget leaves out the graphs' memory, captured after the KV
+                     # cache; with the simulator's sleep-mode pool (a 2 MB page per tensor:
+                     # docs/sleep_mode.md#limits) 0.9 of a 2 GiB device leaves none for them.
+                     "--gpu-memory-utilization", "0.85",
                      start_s=420) as served:
         yield served
 
@@ -277,3 +282,33 @@ def test_a_stream_aborted_mid_way_leaves_both_ranks_serving(server):
     answers_as_hf(base, ["After an abort, rank one says"], headers={"X-data-parallel-rank": "1"})
     after = finished_per_engine(base)
     assert (after["0"] - before["0"], after["1"] - before["1"]) == (1, 1), (before, after)
+
+
+def test_sleep_frees_the_device_refuses_requests_meanwhile_and_wake_up_replays_the_graphs(
+        server):
+    """POST /sleep puts both DP engines' four workers to sleep (level 1: weights to host
+    memory, KV cache discarded); meanwhile a completion gets a 503 that says what to do, not a
+    wait; after POST /wake_up the same graphs replay and the answers are HF's again."""
+    base, _ = server
+    awake = served_rpc(base, "device_memory")  # DP engine 0's two workers
+    captured = [c["captured"] for c in served_graph_counts(base)]
+    r = requests.post(f"{base}/sleep", params={"level": 1}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert requests.get(f"{base}/is_sleeping", timeout=30).json() == {"is_sleeping": True}
+    for was, now in zip(awake, served_rpc(base, "device_memory")):
+        for tag in ("weights", "kv_cache"):
+            assert now["sleep_mode"][tag] == {"mapped": 0,
+                                              "asleep": was["sleep_mode"][tag]["mapped"]}, now
+        assert now["in_use"] <= was["in_use"] - was["sleep_mode"]["weights"]["mapped"] - \
+            was["sleep_mode"]["kv_cache"]["mapped"], (was, now)
+    r = requests.post(f"{base}/v1/completions", timeout=30, json={
+        "model": NAME, "prompt": "Asleep?", "max_tokens": 4})
+    assert r.status_code == 503 and "POST /wake_up" in r.json()["error"]["message"], r.text
+    r = requests.post(f"{base}/wake_up", timeout=120)
+    assert r.status_code == 200 and r.json()["status"] == "awake", r.text
+    assert requests.get(f"{base}/is_sleeping", timeout=30).json() == {"is_sleeping": False}
+    before = replays_once_idle(base)
+    answers_as_hf(base, ["Awake again, the answer is"], headers=RANK_0)
+    after = replays_once_idle(base)
+    assert all((now - was)["FULL"] >= TOKENS - 1 for was, now in zip(before, after))
+    assert [c["captured"] for c in served_graph_counts(base)] == captured  # none again

@@ -176,6 +176,15 @@ class NPUWorker(Worker):
         return {**self.model_runner.graph_state.counts(),
                 "streams_in_use": device.current.streams_in_use()}
 
+    def device_memory(self) -> dict:
+        """This worker's device memory now, for ``collective_rpc("device_memory")``: bytes in
+        use on its device, and with sleep mode, its pools' bytes per tag (mapped, asleep)."""
+        free, total = torch_npu.npu.mem_get_info()
+        pools = self.sleep_allocator.usage_by_tag() if self.model_config.enable_sleep_mode else {}
+        return {"in_use": total - free, "total": total,
+                "sleep_mode": {tag: {"mapped": mapped, "asleep": asleep}
+                               for tag, (mapped, asleep) in pools.items()}}
+
     def device_binding(self) -> dict:
         """The device this worker opened (physical id on its node) and its process, for
         ``collective_rpc("device_binding")``."""
