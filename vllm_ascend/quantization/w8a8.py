@@ -98,7 +98,7 @@ class W8A8Method(LinearMethodBase):
                 f"{self.prefix}: weight_offset is not zero; vllm-ascend runs symmetric int8 "
                 "weights only (npu_quant_matmul takes no weight offset). Quantize the weights "
                 "symmetrically with ModelSlim (w_sym=True)")
-        del layer.ascend_loaded
+        layer.ascend_loaded = {}  # a reload (vLLM's reload_weights, sleep mode) counts afresh
 
     def process_weights_after_loading(self, layer) -> None:
         self.check_loaded(layer)
@@ -176,9 +176,14 @@ class W8A8StaticMethod(W8A8Method):
         # npu_quantize multiplies (div_mode=False, as upstream's _quantize_impl), the fused norm
         # divides (npu_add_rms_norm_quant's div_mode=True): both get per-channel vectors in the
         # activation's dtype, the offset in the scale's dtype.
-        layer.aclnn_input_scale = scale.repeat(width).to(dtype)
-        layer.aclnn_input_scale_reciprocal = (1 / scale).repeat(width).to(dtype)
-        layer.aclnn_input_offset = offset.repeat(width).to(dtype)
+        for name, value in (("aclnn_input_scale", scale), ("aclnn_input_scale_reciprocal",
+                                                          1 / scale),
+                            ("aclnn_input_offset", offset)):
+            value = value.repeat(width).to(dtype)
+            if hasattr(layer, name):  # a reload (sleep mode): captured graphs read the old one
+                getattr(layer, name).copy_(value)
+            else:
+                setattr(layer, name, value)
 
     def add_norm_quant(self, layer, x, residual, gamma, eps):
         y, _, added = torch_npu.npu_add_rms_norm_quant(
