@@ -201,6 +201,21 @@ class NPUMemAllocator:
                                           allocation.size, ACL_MEMCPY_HOST_TO_DEVICE), "memcpy")
                 self._drop_backup(allocation)
 
+    def release(self) -> int:
+        """At the engine's shutdown: give back the physical memory of every allocation torch
+        has not freed (something in the process still references the tensors: vLLM's compiled
+        code caches hold a model's parameters). Their addresses stay reserved until the tensors
+        die. Returns the bytes released."""
+        mapped = [(ptr, a) for ptr, a in self.allocations.items() if a.handle is not None]
+        if mapped:
+            torch_npu.npu.synchronize()
+        for ptr, allocation in mapped:
+            self._release(ptr, allocation)
+        for allocation in self.allocations.values():
+            self._drop_backup(allocation)
+        self._pools.clear()
+        return sum(a.size for _, a in mapped)
+
     def asleep_tags(self) -> list[str]:
         """The tags some of whose memory is not mapped now."""
         return sorted({a.tag for a in self.allocations.values() if a.handle is None})

@@ -76,6 +76,12 @@ class NPUWorker(Worker):
     def shutdown(self) -> None:
         self._remove_bytecode_hooks()
         super().shutdown()
+        if self.model_config.enable_sleep_mode and "sleep_allocator" in self.__dict__:
+            # vLLM's cumem allocator is released here too (release_pools).
+            released = self.sleep_allocator.release()
+            if released:
+                logger.info("vllm-ascend: shutdown released %.3f GiB of sleep-mode memory that "
+                            "the process still referenced", released / GiB)
         if hasattr(self, "_device_hold"):
             self._device_hold()
 
