@@ -96,6 +96,10 @@ def in_process(multiprocess: bool = False):
     try:
         with pytest.MonkeyPatch.context() as env:  # read when the LLM is made; not left behind
             env.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1" if multiprocess else "0")
+            # vLLM unfreezes the heap after graph capture (freeze_gc_for_cudagraph_capture), and
+            # its four collections after that walked every test's objects again (0.7 s an
+            # engine): the heap stays frozen until the engine is gone.
+            env.setattr(gc, "unfreeze", lambda: None)
             yield
     finally:
         # An in-process engine core caches vLLM's environment at its start (for serving); undo
