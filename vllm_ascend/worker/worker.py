@@ -112,10 +112,12 @@ class NPUWorker(Worker):
     def execute_model(self, scheduler_output, *args, **kwargs):
         # A step on memory that sleeps would read unmapped addresses (on the chip, an AI core
         # exception at the next synchronize): say which wake-up is missing instead.
-        if self.model_config.enable_sleep_mode and self.sleep_allocator.asleep_tags():
+        asleep = self.sleep_allocator.asleep_tags() if self.model_config.enable_sleep_mode \
+            else ()
+        if asleep:
             raise RuntimeError(
-                f"The engine ran a step while its {', '.join(self.sleep_allocator.asleep_tags())} "
-                "memory is asleep: call wake_up() (or wake_up(tags=[...]) for each) first.")
+                f"The engine ran a step while its {', '.join(asleep)} memory is asleep: call "
+                "wake_up() (or wake_up(tags=[...]) for each) first.")
         return super().execute_model(scheduler_output, *args, **kwargs)
 
     @functools.cached_property
