@@ -107,8 +107,7 @@ class NPUMemAllocator:
     def _free(self, ptr: int) -> None:
         allocation = self.allocations.pop(ptr)
         if allocation.handle is not None:
-            _check(self.acl.rt.unmap_mem(ptr), "unmap_mem")
-            _check(self.acl.rt.free_physical(allocation.handle), "free_physical")
+            self._release(ptr, allocation)
         self._drop_backup(allocation)
         _check(self.acl.rt.release_mem_address(ptr), "release_mem_address")
 

@@ -188,11 +188,14 @@ class rt:  # noqa: N801  (pyACL's module name)
         return ACL_SUCCESS
 
 
+def _inside(address: int, nbytes: int, ranges) -> bool:
+    """Whether [address, address + nbytes) lies within one of ``ranges`` ((base, size) pairs)."""
+    return any(base <= address and address + nbytes <= base + size for base, size in ranges)
+
+
 def _in_host(address: int, nbytes: int) -> bool:
-    return any(base <= address and address + nbytes <= base + size
-               for base, size in _STATE.host.items())
+    return _inside(address, nbytes, _STATE.host.items())
 
 
 def _mapped(address: int, nbytes: int) -> bool:
-    return any(base <= address and address + nbytes <= base + _STATE.reserved[base]
-               for base in _STATE.mapped)
+    return _inside(address, nbytes, ((base, _STATE.reserved[base]) for base in _STATE.mapped))

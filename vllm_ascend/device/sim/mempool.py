@@ -100,7 +100,8 @@ def _plain_cpu(kwargs: dict) -> bool:
 
 
 class _Pooling(TorchDispatchMode):
-    """Moves each storage an op makes into the pool (not views, not in-place results)."""
+    """Puts each storage an op makes into the pool (not views, not in-place results): empty()
+    and zeros() are made there, any other new storage is moved there."""
 
     def __init__(self, pool: MemPool, device: int):
         super().__init__()
