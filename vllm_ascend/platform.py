@@ -24,7 +24,7 @@ FIA_MAX_QUERY_PER_REQUEST = 16  # TND decode with speculation (upstream asserts 
 MULTIPROC_METHOD_ENV = "VLLM_WORKER_MULTIPROC_METHOD"
 # The plugin's own settings (README), and the scripts' cache and venv locations.
 PLUGIN_ENV_VARS = {"VLLM_ASCEND_DEVICE", "VLLM_ASCEND_SIM_MEMORY_GB", "VLLM_ASCEND_SIM_STREAMS",
-                   "VLLM_ASCEND_SIM_DEVICES",
+                   "VLLM_ASCEND_SIM_DEVICES", "VLLM_ASCEND_SIM_NODE",
                    "VLLM_ASCEND_SIM_CALL_LOG", "VLLM_ASCEND_CACHE", "VLLM_ASCEND_VENV"}
 
 
@@ -45,8 +45,11 @@ class NPUPlatform(Platform):
     device_type: str = device.current.torch_device_type
     dispatch_key: str = device.current.dispatch_key
     dist_backend: str = device.current.dist_backend
-    ray_device_key: str = "NPU"
+    ray_device_key: str = "NPU"  # the resource Ray's NPU accelerator manager detects and names
     device_control_env_var: str = "ASCEND_RT_VISIBLE_DEVICES"
+    # As for CUDA: Ray leaves a worker's visible devices alone, and vLLM gives each worker one of
+    # the NPUs Ray reserved for it on its node (assigned_physical_gpu_ids, by local rank).
+    ray_noset_device_env_vars: list[str] = ["RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES"]
     simple_compile_backend: str = "eager"  # no usable Inductor backend on the chip
     supported_quantization: list[str] = ["ascend"]  # ModelSlim checkpoints (quantization/)
 

@@ -1,7 +1,7 @@
 """vLLM's plugin selection (``VLLM_PLUGINS``) with this package's entry points: the platform
-plugin ``ascend`` and the model-files plugin ``ascend_models``. Both load by default;
-``VLLM_PLUGINS=ascend`` loads the platform alone, so vLLM keeps upstream's model classes (how the
-benchmarks compare them with ours)."""
+plugin ``ascend``, the model-files plugin ``ascend_models`` and the patches ``ascend_patches``.
+All load by default; ``VLLM_PLUGINS=ascend`` loads the platform alone, so vLLM keeps upstream's
+model classes (how the benchmarks compare them with ours)."""
 
 import pytest
 from vllm import envs
@@ -23,10 +23,10 @@ def plugins(monkeypatch):
     return loaded
 
 
-def test_both_plugins_load_by_default_and_the_platform_is_npu(plugins):
+def test_the_plugins_load_by_default_and_the_platform_is_npu(plugins):
     loaded = plugins(None)
     assert "ascend" in loaded[PLATFORM_PLUGINS_GROUP]
-    assert "ascend_models" in loaded[DEFAULT_PLUGINS_GROUP]
+    assert {"ascend_models", "ascend_patches"} <= set(loaded[DEFAULT_PLUGINS_GROUP])
     register = load_plugins_by_group(PLATFORM_PLUGINS_GROUP)["ascend"]
     assert register() == "vllm_ascend.platform.NPUPlatform"
 

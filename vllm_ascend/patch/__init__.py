@@ -1,9 +1,12 @@
 """Patches of vLLM where it has no hook, one module per target, each naming the upstream
-limitation it works around and when to remove it. ``apply()`` is idempotent."""
+limitation it works around and when to remove it. ``apply()`` is idempotent; it runs in every
+vLLM process: the ``ascend_patches`` general plugin (the engine core has no platform hook before
+its executor starts), the platform's config hook and the worker's device set-up."""
 
 
 def apply() -> None:
-    from vllm_ascend.patch import engine_core_client, torch_accelerator
+    from vllm_ascend.patch import engine_core_client, ray_placement, torch_accelerator
 
     engine_core_client.apply()
+    ray_placement.apply()
     torch_accelerator.apply()
