@@ -67,6 +67,34 @@ def test_two_workers_on_one_device_is_an_error(no_context):
     assert npu.devices_in_use()[3] == os.getpid()
 
 
+def test_simulated_nodes_on_one_machine_have_their_own_devices(no_context, monkeypatch):
+    """Two Ray nodes rehearsed on one host (docs/multi_node.md): each VLLM_ASCEND_SIM_NODE has
+    its own devices, so device 3 of node a and device 3 of node b are two devices."""
+    env = {**os.environ, "VLLM_ASCEND_SIM_NODE": "a"}
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "from vllm_ascend.device.sim import npu; npu.set_device(3); "
+                               "print('ready', flush=True); input()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        monkeypatch.setenv("VLLM_ASCEND_SIM_NODE", "a")
+        with pytest.raises(DeviceContextError, match=f"in use by process {holder.pid}"):
+            npu.set_device(3)
+        monkeypatch.setenv("VLLM_ASCEND_SIM_NODE", "b")
+        npu.set_device(3)
+        assert npu.devices_in_use() == {3: os.getpid()}
+        monkeypatch.setenv("VLLM_ASCEND_SIM_NODE", "a")
+        assert npu.devices_in_use() == {3: holder.pid}
+        monkeypatch.setenv("VLLM_ASCEND_SIM_NODE", "b")
+        npu.release_device()
+    finally:
+        holder.communicate("", timeout=30)
+    with pytest.MonkeyPatch.context() as bad:
+        bad.setenv("VLLM_ASCEND_SIM_NODE", "no/slash")
+        with pytest.raises(ValueError, match="a node name is letters, digits"):
+            npu.devices_in_use()
+
+
 @pytest.mark.parametrize("dp_local_rank, tp_rank, device", [(0, 0, 0), (0, 1, 1), (1, 0, 2),
                                                             (1, 1, 3)])
 def test_dp_engines_on_one_node_take_distinct_devices(monkeypatch, dp_local_rank, tp_rank,

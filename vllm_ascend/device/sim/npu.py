@@ -517,10 +517,13 @@ def issue_task_update(func, args: tuple, kwargs: dict) -> None:
 # worker. The simulator makes that an error, and one context per process, and one live process
 # per device on the node (a second worker on a device would share its memory and HBM budget and
 # break HCCL's one-rank-per-device rule): each open device is claimed in a file of the node's
-# registry, released at the worker's shutdown or when its process is gone.
+# registry, released at the worker's shutdown or when its process is gone. Several simulated
+# nodes can share one machine (a Ray cluster rehearsed on one host): $VLLM_ASCEND_SIM_NODE names
+# the node a process runs on, and each name has its own devices and registry.
 
 DEVICES_ENV = "VLLM_ASCEND_SIM_DEVICES"
 VISIBLE_ENV = "ASCEND_RT_VISIBLE_DEVICES"
+NODE_ENV = "VLLM_ASCEND_SIM_NODE"
 DEFAULT_DEVICES = 8
 
 
@@ -562,7 +565,11 @@ def device_count() -> int:
 def _registry() -> str:
     import tempfile
 
-    path = os.path.join(tempfile.gettempdir(), f"vllm-ascend-sim-{os.getuid()}")
+    node = os.environ.get(NODE_ENV, "")
+    if node and not node.replace("-", "").replace("_", "").isalnum():
+        raise ValueError(f"{NODE_ENV}={node!r}: a node name is letters, digits, '-' and '_'")
+    path = os.path.join(tempfile.gettempdir(),
+                        f"vllm-ascend-sim-{os.getuid()}" + (f"-{node}" if node else ""))
     os.makedirs(path, exist_ok=True)
     return path
 
