@@ -1,26 +1,52 @@
-"""Tensor and pipeline parallelism in graph mode, through vLLM's multiprocessing executor with
-gloo: greedy output equals HF transformers' (TP=1) greedy output, every rank replays the graphs
-its steps call for (the collectives inside them included), and each graph holds the streams its
-communication groups cost. Data parallelism: test_serve.py.
+"""Tensor and pipeline parallelism in graph mode, on vLLM's Ray executor (RayExecutorV2, vLLM
+0.32's default for ``distributed_executor_backend="ray"``) across a Ray cluster of two simulated
+Ascend nodes, started on this machine as they are on two hosts (docs/multi_node.md): ``ray
+start`` once per node, each node at its own loopback address, offering its own simulated NPUs as
+Ray's ``NPU`` resource (``VLLM_ASCEND_SIM_NODE`` keeps the nodes' devices apart). One cluster
+serves the module. Greedy output is close to HF transformers' (TP=1), every rank replays the
+graphs its steps call for (the collectives inside them included), each graph holds the streams
+its communication groups cost, and each worker sits on its own NPU on its node.
 
-Two engines (each spawns two workers, ~20 s) cover every kind of graph: TP=2 in FULL replays
-FULL graphs for decode, prefill and mixed batches, with an all-reduce per layer inside them, on
-a mixture-of-experts model with expert parallelism (each rank computes its half of the experts,
-the all-reduce sums them) exported in W8A8; PP=2 in FULL_AND_PIECEWISE replays FULL decode
-graphs and, for a prefill that fits the largest size, PIECEWISE pieces, on both stages (the tiny
-Llama). Prefills above the largest size run eagerly (NONE) in both. FULL_DECODE_ONLY captures
-the same FULL decode graphs, PIECEWISE the same pieces; `scripts/check_parallel.py` runs all
-four modes at TP=2 or more by hand, with or without expert parallelism."""
+Two engines (each Ray worker is a process that imports vLLM) cover every kind of graph:
 
+- TP=2 on one node in FULL (in-process, ~25 s) replays FULL graphs for decode, prefill and
+  mixed batches, exactly as many as its steps call for, with an all-reduce per layer inside
+  them, on a mixture-of-experts model with expert parallelism (each rank computes its half of
+  the experts, the all-reduce sums them) exported in W8A8; prefills above the largest size run
+  eagerly;
+- ``vllm serve`` (~90 s) with TP=2 within each node x PP=2 across them, in the default
+  FULL_AND_PIECEWISE, answers 16 concurrent requests and replays FULL decode graphs and, for a
+  prefill that fits a capture size, PIECEWISE pieces on all four ranks.
+
+A cluster too small for an engine fails at once, saying what was asked, what it offers and the
+fix. TP=2 x PP=2 in FULL_DECODE_ONLY and in-process FULL_AND_PIECEWISE with exact replays, TP=2
+in the other modes, and every layout on vLLM's multiprocessing executor (which runs TP=2 in
+test_serve.py, DP=2 x TP=2) are checked by hand with `scripts/check_parallel.py`
+(docs/multi_node.md#tests-and-figures). Every request has a timeout: a rank hung across nodes
+fails the test, not the suite."""
+
+import concurrent.futures
+import contextlib
+import json
+import os
 import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
 
 import pytest
 
 from tests.e2e.conftest import (PROMPTS, QUANTIZED, check_logprobs_close, engine,
-                                expected_replays,
-                                graph_counts_per_rank, hf_greedy, MAX_TOKENS, model_path,
-                                platform_log, replays, vllm_greedy)
+                                expected_replays, free_port, graph_counts_per_rank, hf_greedy,
+                                MAX_TOKENS, model_path, platform_log, replays,
+                                served_completion, served_graph_counts, served_rpc,
+                                vllm_greedy, vllm_server)
 
+# Simulated node -> its address (Ray replaces 127.0.0.1 with the host's network address).
+NODES = {"node0": "127.0.0.2", "node1": "127.0.0.3"}
+NPUS_PER_NODE = 2
 # TP=2 on a mixture-of-experts model with expert parallelism: attention and the shared expert
 # split over the ranks, the routed experts shared out (4 of 8 each), one all-reduce for both.
 # In float16 (docs/moe.md#tests-and-figures): in bfloat16 a rounding swaps two of the tiny
@@ -30,22 +56,157 @@ from tests.e2e.conftest import (PROMPTS, QUANTIZED, check_logprobs_close, engine
 # weights, their per-channel scales and W8A8's int32 quant_bias split by column and by row (the
 # row-split layers add quant_bias on rank 0 only), against the fp32 reference with the same
 # quantization.
-LAYOUTS = {"TP=2 EP": ("qwen2_moe-w8a8-mixed", {"tensor_parallel_size": 2, "dtype": "float16",
-                                                "enable_expert_parallel": True}),
-           "PP=2": ("llama", {"pipeline_parallel_size": 2})}
-CASES = [("TP=2 EP", "FULL"), ("PP=2", "FULL_AND_PIECEWISE")]
+EP_FAMILY, EP_DTYPE = "qwen2_moe-w8a8-mixed", "float16"
 CAPTURE_SIZES = [1, 2, 4]
 SHORT = "Hi there"  # 2 tokens: a prefill within the largest capture size
 
 
-@pytest.fixture(scope="module", params=CASES, ids=lambda p: f"{p[0]}-{p[1]}")
-def parallel_llm(request):
-    layout, mode = request.param
-    family, args = LAYOUTS[layout]
-    with engine(model_path(family), distributed_executor_backend="mp", max_num_seqs=4,
-                compilation_config={"cudagraph_mode": mode,
-                                    "cudagraph_capture_sizes": CAPTURE_SIZES}, **args) as llm:
-        yield layout, mode, llm
+@contextlib.contextmanager
+def sim_ray_cluster(nodes: dict[str, str], npus: int):
+    """``ray start`` per simulated node, as on a real cluster (each node's NPUs offered as Ray's
+    ``NPU`` resource; the node name selects its simulated devices); yields the head's address."""
+    ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
+    temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's sockets live there
+    port = free_port()
+    head = f"{next(iter(nodes.values()))}:{port}"
+    procs = []
+    try:
+        for i, (node, ip) in enumerate(nodes.items()):
+            env = {**os.environ, "VLLM_ASCEND_SIM_NODE": node,
+                   "VLLM_ASCEND_SIM_DEVICES": str(npus), "RAY_USAGE_STATS_ENABLED": "0",
+                   "VLLM_ASCEND_SIM_MEMORY_GB": "1", "HCCL_BUFFSIZE": "8",
+                   "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}  # stop at once, no drain
+            role = (["--head", "--port", str(port), "--include-dashboard", "false",
+                     "--ray-client-server-port", str(free_port())] if i == 0
+                    else ["--address", head])
+            # --block: the node's processes are this one's children, stopped with it.
+            procs.append(subprocess.Popen(
+                [ray_cli, "start", "--block", *role, "--node-ip-address", ip,
+                 "--resources", json.dumps({"NPU": npus}), "--num-cpus", "0",
+                 "--object-store-memory", str(80 * 2**20), "--temp-dir", temp_dir],
+                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                start_new_session=True))
+        import ray
+
+        ray.init(address=head, logging_level="ERROR")
+        deadline = time.time() + 60
+        while ray.cluster_resources().get("NPU", 0) < npus * len(nodes):
+            assert time.time() < deadline, f"the Ray cluster did not come up: {ray.nodes()}"
+            time.sleep(0.5)
+        yield head
+    finally:
+        with contextlib.suppress(Exception):
+            import ray
+
+            ray.shutdown()
+        for proc in reversed(procs):
+            proc.terminate()  # `ray start --block` stops its node's processes
+        for proc in procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, 9)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with pytest.MonkeyPatch.context() as env:
+        # Loopback only, no token: Ray 2.60 turns token authentication on for a head started
+        # where ~/.ray/auth_token exists (an earlier local ray.init() writes one).
+        env.setenv("RAY_AUTH_MODE", "disabled")
+        with sim_ray_cluster(NODES, NPUS_PER_NODE) as head:
+            env.setenv("RAY_ADDRESS", head)  # how vLLM's engine core finds the cluster
+            yield head
+
+
+def ray_engine(family: str, mode: str, **kwargs):
+    return engine(model_path(family), distributed_executor_backend="ray", max_num_seqs=4,
+                  compilation_config={"cudagraph_mode": mode,
+                                      "cudagraph_capture_sizes": CAPTURE_SIZES}, **kwargs)
+
+
+# The two tests that need the whole cluster run before the in-process engine (tp2_ep_llm) starts.
+def test_a_cluster_without_enough_npus_fails_at_once_saying_what_and_how(cluster):
+    import ray
+
+    from vllm_ascend.patch.ray_placement import RayClusterTooSmallError
+
+    assert ray.available_resources().get("NPU") == 4  # no other engine holds NPUs meanwhile
+    start = time.time()
+    with pytest.raises(RayClusterTooSmallError) as error:
+        with ray_engine("llama", "FULL_DECODE_ONLY", tensor_parallel_size=2,
+                        pipeline_parallel_size=4):
+            pass
+    assert time.time() - start < 60
+    message = str(error.value)
+    assert "asks Ray for 8 NPUs (one per worker" in message, message
+    assert "offers 4 (2 node(s), NPUs per node: 127.0.0.2: 2, 127.0.0.3: 2)" in message, message
+    assert "ray start" in message and "--resources" in message and "fewer ranks" in message
+    # The request was withdrawn: nothing pending, every NPU free for the next engine.
+    assert all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
+    assert ray.available_resources().get("NPU") == 4
+
+
+def test_served_tp2_x_pp2_across_two_nodes_answers_as_tp1_with_graphs_on_every_rank(cluster):
+    """`vllm serve` on the cluster in the default graph mode (FULL_AND_PIECEWISE), TP=2 within
+    each node x PP=2 across them: 16 concurrent requests, then a short prompt whose prefill fits
+    a capture size, each close to HF transformers (TP=1); FULL decode graphs and PIECEWISE
+    pieces replayed on all four ranks, a stage's TP group on one node and the two stages on the
+    two nodes, each worker on its own NPU of its node."""
+    import ray
+
+    from vllm_ascend.device.sim import npu
+
+    name = "tiny-llama"
+    assert ray.available_resources().get("NPU") == 4  # no other engine holds NPUs meanwhile
+    with vllm_server(model_path("llama"), name, "--distributed-executor-backend", "ray",
+                     "--tensor-parallel-size", "2", "--pipeline-parallel-size", "2",
+                     "--max-model-len", "512", "--max-num-seqs", "16",
+                     "--max-num-batched-tokens", "256",
+                     # the mode stays vLLM's default; three sizes keep the capture short
+                     "--compilation-config", json.dumps({"cudagraph_capture_sizes": [1, 4, 16]}),
+                     start_s=300) as (base, log):
+        assert "graph mode FULL_AND_PIECEWISE" in log, log[-3000:]
+        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(16)] + [SHORT]
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            outs = list(pool.map(lambda p: served_completion(base, name, p, MAX_TOKENS),
+                                 prompts[:16]))
+        outs.append(served_completion(base, name, SHORT, MAX_TOKENS))
+        for prompt, out in zip(prompts, outs):
+            check_logprobs_close(hf_greedy(model_path("llama"), prompt, MAX_TOKENS), out,
+                                 f"served {prompt!r}")
+        counts, bindings = served_graph_counts(base), served_rpc(base, "device_binding")
+        node_of = {}  # (process, device) -> the simulated node whose registry has it
+        for node in NODES:
+            with pytest.MonkeyPatch.context() as env:
+                env.setenv("VLLM_ASCEND_SIM_NODE", node)
+                node_of.update({(pid, device): node
+                                for device, pid in npu.devices_in_use().items()})
+    assert len(counts) == 4, counts
+    for rank, c in enumerate(counts):
+        # every decode step of the short prompt at least, FULL; its prefill, 2 pieces a stage
+        assert c["replayed"].get("FULL", 0) >= MAX_TOKENS - 1, (rank, c)
+        assert c["replayed"].get("PIECEWISE", 0) >= 2, (rank, c)
+    # Streams: a graph holds its own and its TP group's when it captured a TP collective (a
+    # stage sends and receives between steps, outside graphs). A FULL graph: 2. A size's two
+    # pieces (one layer a stage): on stage 0 both all-reduce (the vocab-split embedding; o_proj
+    # and down_proj): 2 + 2; on stage 1 the first (the norm and the column-split QKV
+    # projection) has no collective: 1 + 2. (vLLM captures pieces for more sizes than FULL
+    # decode graphs: up to 2 x max_num_seqs.)
+    full, piece_sizes = counts[0]["captured"]["FULL"], counts[0]["captured"]["PIECEWISE"] // 2
+    assert [c["streams_in_use"] for c in counts] == \
+        [2 * full + 4 * piece_sizes] * 2 + [2 * full + 3 * piece_sizes] * 2, counts
+    nodes = [node_of.get((b["pid"], b["device"])) for b in bindings]
+    assert nodes[0] == nodes[1] != nodes[2] == nodes[3] and None not in nodes, (nodes, bindings)
+
+
+@pytest.fixture(scope="module")
+def tp2_ep_llm(cluster):
+    """TP=2 with expert parallelism, in FULL, on one node (Ray packs the TP group there)."""
+    with ray_engine(EP_FAMILY, "FULL", tensor_parallel_size=2, dtype=EP_DTYPE,
+                    enable_expert_parallel=True) as llm:
+        yield llm
 
 
 def rank_layers(llm) -> list[int]:
@@ -57,48 +218,66 @@ def rank_layers(llm) -> list[int]:
     return llm.collective_rpc(probe)
 
 
-def test_greedy_output_equals_tp1_with_graph_replays_on_every_rank(parallel_llm):
-    layout, mode, llm = parallel_llm
-    n, family = MAX_TOKENS, LAYOUTS[layout][0]
+def placement(llm) -> list[dict]:
+    """Per rank: the simulated node its worker runs on, its process, the NPUs Ray reserved for
+    its actor, and the device it opened (from the node's registry: device -> process)."""
+    from vllm_ascend.device.sim import npu
+
+    def where(worker):
+        import ray
+
+        return {"node": os.environ["VLLM_ASCEND_SIM_NODE"], "pid": os.getpid(),
+                "ray_npus": ray.get_runtime_context().get_accelerator_ids()["NPU"]}
+
+    ranks = llm.collective_rpc(where)
+    opened = {}
+    for node in NODES:
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("VLLM_ASCEND_SIM_NODE", node)
+            opened.update({(node, pid): device for device, pid in npu.devices_in_use().items()})
+    for rank in ranks:
+        rank["device"] = opened.get((rank["node"], rank["pid"]))
+    return ranks
+
+
+def test_greedy_output_equals_tp1_with_exactly_the_replays_its_steps_call_for(tp2_ep_llm):
+    llm, n = tp2_ep_llm, MAX_TOKENS
     with replays(llm) as made:
         outs = vllm_greedy(llm, PROMPTS, n) + vllm_greedy(llm, [SHORT], n)
-    dtype = LAYOUTS[layout][1].get("dtype", "bfloat16")
     for prompt, out in zip(PROMPTS + [SHORT], outs):
-        check_logprobs_close(hf_greedy(model_path(family), prompt, n), out,
-                             f"{layout} {mode} {prompt!r}", dtype=dtype,
-                             quantized=family in QUANTIZED)
+        check_logprobs_close(hf_greedy(model_path(EP_FAMILY), prompt, n), out,
+                             f"TP=2 EP FULL {prompt!r}", dtype=EP_DTYPE,
+                             quantized=EP_FAMILY in QUANTIZED)
     assert len(made["ranks"]) == 2
     for rank, (made_here, layers) in enumerate(zip(made["ranks"], rank_layers(llm))):
         assert len(made_here["steps"]) >= 2 * n, (rank, made_here)  # a step per token, at least
-        expected = expected_replays(mode, made_here["steps"], layers, max(CAPTURE_SIZES))
-        assert made_here["replayed"] == expected, (rank, made_here)
-        # FULL graphs everywhere; PIECEWISE pieces for the short prefill in FULL_AND_PIECEWISE
-        assert set(expected) == ({"FULL", "PIECEWISE"} if "PIECEWISE" in mode else {"FULL"}), \
+        expected = expected_replays("FULL", made_here["steps"], layers, max(CAPTURE_SIZES))
+        assert made_here["replayed"] == expected and set(expected) == {"FULL"}, \
             (rank, made_here)
         assert any(tokens > max(CAPTURE_SIZES) for tokens, _ in made_here["steps"])  # eager
-        if mode == "FULL":  # the short prompt's prefill: a FULL graph of a mixed batch
-            assert (2, 1) in made_here["steps"], (rank, made_here)
+        assert (2, 1) in made_here["steps"], (rank, made_here)  # SHORT's prefill: a FULL graph
 
 
-def test_expert_parallel_ranks_hold_one_half_of_the_experts_each(parallel_llm):
-    layout, mode, llm = parallel_llm
-    if layout != "TP=2 EP":
-        pytest.skip("no expert parallelism in this layout")
-    ranges = llm.collective_rpc(lambda worker: sorted({
+def test_both_workers_sit_on_one_node_each_on_an_npu_ray_reserved_there(tp2_ep_llm):
+    ranks = placement(tp2_ep_llm)
+    assert ranks[0]["node"] == ranks[1]["node"], ranks  # Ray packs the TP group on one node
+    reserved = sorted(int(i) for r in ranks for i in r["ray_npus"])
+    assert sorted(r["device"] for r in ranks) == reserved, ranks  # none else, none twice
+
+
+def test_expert_parallel_ranks_hold_one_half_of_the_experts_each(tp2_ep_llm):
+    ranges = tp2_ep_llm.collective_rpc(lambda worker: sorted({
         m.ascend_expert_range for m in worker.model_runner.get_model().modules()
         if hasattr(m, "ascend_expert_range")}))
     assert ranges == [[(0, 4)], [(4, 8)]], ranges  # 8 experts, every layer alike
 
 
-def test_each_graph_holds_a_stream_per_communication_group_it_captured(parallel_llm):
-    layout, mode, llm = parallel_llm
-    # TP: the graph's own stream and its TP group's (an all-reduce per layer is captured; the
+def test_each_graph_holds_a_stream_per_communication_group_it_captured(tp2_ep_llm):
+    # The graph's own stream and its TP group's (an all-reduce per layer is captured; the
     # experts' partial sums ride on it too: expert parallelism over TP adds no collective).
-    # PP: the graph's own only (a stage sends and receives between steps, outside graphs).
-    per_graph = 2 if layout.startswith("TP") else 1
-    for rank, counts in enumerate(graph_counts_per_rank(llm)):
+    for rank, counts in enumerate(graph_counts_per_rank(tp2_ep_llm)):
         graphs = sum(counts["captured"].values())
-        assert graphs > 0 and counts["streams_in_use"] == per_graph * graphs, (rank, counts)
+        assert graphs > 0 and counts["streams_in_use"] == 2 * graphs, (rank, counts)
 
 
 def test_speculative_decoding_with_pipeline_parallelism_is_refused_at_start_up():
