@@ -7,25 +7,23 @@ serves the module. Greedy output is close to HF transformers' (TP=1), every rank
 graphs its steps call for (the collectives inside them included), each graph holds the streams
 its communication groups cost, and each worker sits on its own NPU on its node.
 
-Two engines (each Ray worker is a process that imports vLLM) cover every kind of graph:
+Two in-process engines (each Ray worker is a process that imports vLLM) cover every kind of
+graph:
 
-- TP=2 on one node in FULL (in-process, ~25 s) replays FULL graphs for decode, prefill and
-  mixed batches, exactly as many as its steps call for, with an all-reduce per layer inside
-  them, on a mixture-of-experts model with expert parallelism (each rank computes its half of
-  the experts, the all-reduce sums them) exported in W8A8; prefills above the largest size run
-  eagerly;
-- ``vllm serve`` (~90 s) with TP=2 within each node x PP=2 across them, in the default
-  FULL_AND_PIECEWISE, answers 16 concurrent requests and replays FULL decode graphs and, for a
-  prefill that fits a capture size, PIECEWISE pieces on all four ranks.
+- TP=2 within each node x PP=2 across them, in FULL_AND_PIECEWISE (~50 s), replays FULL decode
+  graphs and, for a prefill that fits the largest size, PIECEWISE pieces, exactly as many as
+  its steps call for on all four ranks, and answers 16 requests at once;
+- TP=2 on one node in FULL (~25 s) replays FULL graphs for decode, prefill and mixed batches,
+  with an all-reduce per layer inside them, on a mixture-of-experts model with expert
+  parallelism (each rank computes its half of the experts, the all-reduce sums them) exported
+  in W8A8.
 
-A cluster too small for an engine fails at once, saying what was asked, what it offers and the
-fix. TP=2 x PP=2 in FULL_DECODE_ONLY and in-process FULL_AND_PIECEWISE with exact replays, TP=2
-in the other modes, and every layout on vLLM's multiprocessing executor (which runs TP=2 in
-test_serve.py, DP=2 x TP=2) are checked by hand with `scripts/check_parallel.py`
-(docs/multi_node.md#tests-and-figures). Every request has a timeout: a rank hung across nodes
-fails the test, not the suite."""
+Prefills above the largest size run eagerly. A cluster too small for an engine fails at once,
+saying what was asked, what it offers and the fix. `vllm serve` on the cluster (16 concurrent
+requests), TP=2 x PP=2 in FULL_DECODE_ONLY, TP=2 in the other modes, and every layout on vLLM's
+multiprocessing executor (which runs TP=2 in test_serve.py, DP=2 x TP=2) are checked by hand
+(docs/multi_node.md#tests-and-figures)."""
 
-import concurrent.futures
 import contextlib
 import json
 import os
@@ -40,9 +38,7 @@ import pytest
 
 from tests.e2e.conftest import (PROMPTS, QUANTIZED, check_logprobs_close, engine,
                                 expected_replays, free_port, graph_counts_per_rank, hf_greedy,
-                                MAX_TOKENS, model_path, platform_log, replays,
-                                served_completion, served_graph_counts, served_rpc,
-                                vllm_greedy, vllm_server)
+                                MAX_TOKENS, model_path, platform_log, replays, vllm_greedy)
 
 # Simulated node -> its address (Ray replaces 127.0.0.1 with the host's network address).
 NODES = {"node0": "127.0.0.2", "node1": "127.0.0.3"}
@@ -121,12 +117,13 @@ def cluster():
 
 
 def ray_engine(family: str, mode: str, **kwargs):
-    return engine(model_path(family), distributed_executor_backend="ray", max_num_seqs=4,
+    return engine(model_path(family), distributed_executor_backend="ray",
+                  **{"max_num_seqs": 4, **kwargs},
                   compilation_config={"cudagraph_mode": mode,
-                                      "cudagraph_capture_sizes": CAPTURE_SIZES}, **kwargs)
+                                      "cudagraph_capture_sizes": CAPTURE_SIZES})
 
 
-# The two tests that need the whole cluster run before the in-process engine (tp2_ep_llm) starts.
+# The two tests that need the whole cluster run before tp2_ep_llm's engine starts.
 def test_a_cluster_without_enough_npus_fails_at_once_saying_what_and_how(cluster):
     import ray
 
@@ -148,57 +145,42 @@ def test_a_cluster_without_enough_npus_fails_at_once_saying_what_and_how(cluster
     assert ray.available_resources().get("NPU") == 4
 
 
-def test_served_tp2_x_pp2_across_two_nodes_answers_as_tp1_with_graphs_on_every_rank(cluster):
-    """`vllm serve` on the cluster in the default graph mode (FULL_AND_PIECEWISE), TP=2 within
-    each node x PP=2 across them: 16 concurrent requests, then a short prompt whose prefill fits
-    a capture size, each close to HF transformers (TP=1); FULL decode graphs and PIECEWISE
-    pieces replayed on all four ranks, a stage's TP group on one node and the two stages on the
-    two nodes, each worker on its own NPU of its node."""
+def test_tp2_x_pp2_across_two_nodes_is_close_to_tp1_with_exact_replays_on_every_rank(cluster):
+    """TP=2 within each node x PP=2 across them, in FULL_AND_PIECEWISE: greedy output close to
+    HF transformers (TP=1), also for 16 requests at once; on all four ranks exactly the FULL
+    decode graphs and PIECEWISE pieces (the short prefill) their steps call for; the first
+    stage's TP group on one node, the second's on the other, each worker on an NPU Ray reserved
+    on its node."""
     import ray
 
-    from vllm_ascend.device.sim import npu
-
-    name = "tiny-llama"
+    mode, n = "FULL_AND_PIECEWISE", MAX_TOKENS
     assert ray.available_resources().get("NPU") == 4  # no other engine holds NPUs meanwhile
-    with vllm_server(model_path("llama"), name, "--distributed-executor-backend", "ray",
-                     "--tensor-parallel-size", "2", "--pipeline-parallel-size", "2",
-                     "--max-model-len", "512", "--max-num-seqs", "16",
-                     "--max-num-batched-tokens", "256",
-                     # the mode stays vLLM's default; three sizes keep the capture short
-                     "--compilation-config", json.dumps({"cudagraph_capture_sizes": [1, 4, 16]}),
-                     start_s=300) as (base, log):
-        assert "graph mode FULL_AND_PIECEWISE" in log, log[-3000:]
-        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(16)] + [SHORT]
-        with concurrent.futures.ThreadPoolExecutor(16) as pool:
-            outs = list(pool.map(lambda p: served_completion(base, name, p, MAX_TOKENS),
-                                 prompts[:16]))
-        outs.append(served_completion(base, name, SHORT, MAX_TOKENS))
-        for prompt, out in zip(prompts, outs):
-            check_logprobs_close(hf_greedy(model_path("llama"), prompt, MAX_TOKENS), out,
-                                 f"served {prompt!r}")
-        counts, bindings = served_graph_counts(base), served_rpc(base, "device_binding")
-        node_of = {}  # (process, device) -> the simulated node whose registry has it
-        for node in NODES:
-            with pytest.MonkeyPatch.context() as env:
-                env.setenv("VLLM_ASCEND_SIM_NODE", node)
-                node_of.update({(pid, device): node
-                                for device, pid in npu.devices_in_use().items()})
-    assert len(counts) == 4, counts
-    for rank, c in enumerate(counts):
-        # every decode step of the short prompt at least, FULL; its prefill, 2 pieces a stage
-        assert c["replayed"].get("FULL", 0) >= MAX_TOKENS - 1, (rank, c)
-        assert c["replayed"].get("PIECEWISE", 0) >= 2, (rank, c)
+    with ray_engine("llama", mode, tensor_parallel_size=2, pipeline_parallel_size=2,
+                    max_num_seqs=16) as llm:
+        with replays(llm) as made:
+            outs = vllm_greedy(llm, PROMPTS, n) + vllm_greedy(llm, [SHORT], n)
+        many = [PROMPTS[i % len(PROMPTS)] for i in range(16)]
+        outs_many = vllm_greedy(llm, many, n)
+        layers, ranks = rank_layers(llm), placement(llm)
+        counts = graph_counts_per_rank(llm)
+    for prompt, out in zip(PROMPTS + [SHORT] + many, outs + outs_many):
+        check_logprobs_close(hf_greedy(model_path("llama"), prompt, n), out,
+                             f"TP=2 x PP=2 {mode} {prompt!r}")
+    assert len(made["ranks"]) == 4
+    for rank, (made_here, layers_here) in enumerate(zip(made["ranks"], layers)):
+        assert len(made_here["steps"]) >= 2 * n, (rank, made_here)
+        expected = expected_replays(mode, made_here["steps"], layers_here, max(CAPTURE_SIZES))
+        assert made_here["replayed"] == expected and set(expected) == {"FULL", "PIECEWISE"}, \
+            (rank, made_here)
+    assert ranks[0]["node"] == ranks[1]["node"] != ranks[2]["node"] == ranks[3]["node"], ranks
+    assert_each_on_an_npu_ray_reserved_on_its_node(ranks)
     # Streams: a graph holds its own and its TP group's when it captured a TP collective (a
     # stage sends and receives between steps, outside graphs). A FULL graph: 2. A size's two
     # pieces (one layer a stage): on stage 0 both all-reduce (the vocab-split embedding; o_proj
     # and down_proj): 2 + 2; on stage 1 the first (the norm and the column-split QKV
-    # projection) has no collective: 1 + 2. (vLLM captures pieces for more sizes than FULL
-    # decode graphs: up to 2 x max_num_seqs.)
-    full, piece_sizes = counts[0]["captured"]["FULL"], counts[0]["captured"]["PIECEWISE"] // 2
-    assert [c["streams_in_use"] for c in counts] == \
-        [2 * full + 4 * piece_sizes] * 2 + [2 * full + 3 * piece_sizes] * 2, counts
-    nodes = [node_of.get((b["pid"], b["device"])) for b in bindings]
-    assert nodes[0] == nodes[1] != nodes[2] == nodes[3] and None not in nodes, (nodes, bindings)
+    # projection) has no collective: 1 + 2.
+    sizes = len(CAPTURE_SIZES)
+    assert [c["streams_in_use"] for c in counts] == [6 * sizes] * 2 + [5 * sizes] * 2, counts
 
 
 @pytest.fixture(scope="module")
@@ -218,26 +200,40 @@ def rank_layers(llm) -> list[int]:
     return llm.collective_rpc(probe)
 
 
-def placement(llm) -> list[dict]:
-    """Per rank: the simulated node its worker runs on, its process, the NPUs Ray reserved for
-    its actor, and the device it opened (from the node's registry: device -> process)."""
+def devices_by_node() -> dict[tuple[str, int], int]:
+    """(simulated node, process) -> the device that process holds, from each node's registry."""
     from vllm_ascend.device.sim import npu
 
+    held = {}
+    for node in NODES:
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("VLLM_ASCEND_SIM_NODE", node)
+            held.update({(node, pid): device for device, pid in npu.devices_in_use().items()})
+    return held
+
+
+def placement(llm) -> list[dict]:
+    """Per rank: the simulated node its worker runs on, its process, the NPUs Ray reserved for
+    its actor, and the device it opened."""
     def where(worker):
         import ray
 
         return {"node": os.environ["VLLM_ASCEND_SIM_NODE"], "pid": os.getpid(),
                 "ray_npus": ray.get_runtime_context().get_accelerator_ids()["NPU"]}
 
-    ranks = llm.collective_rpc(where)
-    opened = {}
-    for node in NODES:
-        with pytest.MonkeyPatch.context() as env:
-            env.setenv("VLLM_ASCEND_SIM_NODE", node)
-            opened.update({(node, pid): device for device, pid in npu.devices_in_use().items()})
+    ranks, held = llm.collective_rpc(where), devices_by_node()
     for rank in ranks:
-        rank["device"] = opened.get((rank["node"], rank["pid"]))
+        rank["device"] = held.get((rank["node"], rank["pid"]))
     return ranks
+
+
+def assert_each_on_an_npu_ray_reserved_on_its_node(ranks):
+    """The devices a node's workers opened are the NPUs Ray reserved for them there: none
+    else, none twice (vLLM gives local rank r the r-th of them)."""
+    for node in NODES:
+        here = [r for r in ranks if r["node"] == node]
+        reserved = sorted(int(i) for r in here for i in r["ray_npus"])
+        assert sorted(r["device"] for r in here) == reserved, ranks
 
 
 def test_greedy_output_equals_tp1_with_exactly_the_replays_its_steps_call_for(tp2_ep_llm):
@@ -261,8 +257,7 @@ def test_greedy_output_equals_tp1_with_exactly_the_replays_its_steps_call_for(tp
 def test_both_workers_sit_on_one_node_each_on_an_npu_ray_reserved_there(tp2_ep_llm):
     ranks = placement(tp2_ep_llm)
     assert ranks[0]["node"] == ranks[1]["node"], ranks  # Ray packs the TP group on one node
-    reserved = sorted(int(i) for r in ranks for i in r["ray_npus"])
-    assert sorted(r["device"] for r in ranks) == reserved, ranks  # none else, none twice
+    assert_each_on_an_npu_ray_reserved_on_its_node(ranks)
 
 
 def test_expert_parallel_ranks_hold_one_half_of_the_experts_each(tp2_ep_llm):
