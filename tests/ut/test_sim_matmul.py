@@ -1,0 +1,61 @@
+"""The simulated device's bf16/fp16 matrix products (vllm_ascend/device/sim/matmul.py): float32
+arithmetic rounded once, fast from 9 rows on, and batch-invariant, so that a graph's padded batch
+computes each real row exactly as the eager step."""
+
+import pytest
+import torch
+
+from vllm_ascend.device.sim import matmul
+
+# (in, out) features of the tiny test models' and SmolLM2's projections, and SmolLM2's LM head.
+SHAPES = [(64, 192), (64, 256), (128, 64), (576, 3072), (1536, 576), (576, 192), (576, 49152)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def installed():
+    matmul.install()  # (the device fixture opens a simulated device, which installs it too)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("k,n", SHAPES)
+def test_each_row_is_computed_alike_whatever_the_other_rows(dtype, k, n):
+    """Within each kernel (torch's below 9 rows, float32 from 9 on): a step padded to a capture
+    size takes the same kernel as unpadded when the padding does not cross 9 rows, which vLLM's
+    default capture sizes (..., 8, 16, ...) never make it do."""
+    torch.manual_seed(0)
+    w, bias = torch.randn(n, k).to(dtype), torch.randn(n).to(dtype)
+    x = torch.randn(520, k).to(dtype)
+    for rows, last in (((1, 3, 5, 8), 8), ((9, 15, 16, 17, 24, 100, 256, 512, 520), 520)):
+        full = torch.nn.functional.linear(x[:last], w)
+        full_bias = torch.nn.functional.linear(x[:last], w, bias)
+        for r in rows:
+            assert torch.equal(torch.nn.functional.linear(x[:r], w), full[:r]), r
+            assert torch.equal(torch.nn.functional.linear(x[:r], w, bias), full_bias[:r]), r
+
+
+@pytest.mark.parametrize("rows", [4, 9, 64])
+def test_products_are_float32_sums_rounded_once(rows):
+    torch.manual_seed(1)
+    w, x = torch.randn(3072, 576).bfloat16(), torch.randn(rows, 576).bfloat16()
+    exact = (x.double() @ w.double().t()).bfloat16()
+    got = x @ w.t()
+    # float32 accumulation differs from the exact sum in the last bits of a few elements
+    assert (got != exact).float().mean() < 1e-3
+    assert (got.float() - exact.float()).abs().max() <= exact.float().abs().max() * 2 ** -7
+
+
+def test_out_variants_addmm_scalars_and_other_dtypes():
+    torch.manual_seed(2)
+    a, b, c = torch.randn(32, 64).bfloat16(), torch.randn(64, 48).bfloat16(), torch.randn(48)
+    out = torch.empty(32, 48, dtype=torch.bfloat16)
+    torch.mm(a, b, out=out)
+    assert torch.equal(out, a @ b)
+    bias = c.bfloat16()
+    got = torch.addmm(bias, a, b, beta=0.5, alpha=2.0)
+    ref = (0.5 * bias.float() + 2.0 * (a.float() @ b.float())).bfloat16()
+    assert (got.float() - ref.float()).abs().max() <= ref.float().abs().max() * 2 ** -7
+    torch.addmm(bias, a, b, out=out)
+    assert torch.equal(out, torch.addmm(bias, a, b))
+    for dtype in (torch.float32, torch.float64):  # untouched: torch's own kernels
+        x, y = torch.randn(20, 8, dtype=dtype), torch.randn(8, 4, dtype=dtype)
+        assert torch.equal(x @ y, matmul._ORIGINAL["mm"](x, y))
