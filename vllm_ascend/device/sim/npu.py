@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from vllm_ascend.device.sim import graph as _graph
 from vllm_ascend.device.sim import ledger as _ledger
+from vllm_ascend.device.sim import matmul as _matmul
 from vllm_ascend.device.sim import memory as _memory
 
 STREAMS_ENV = "VLLM_ASCEND_SIM_STREAMS"
@@ -647,6 +648,7 @@ def set_device(device) -> None:
     if _claim(physical):
         _memory.open_device()  # a worker's device: what the process holds now is host memory
     _context = physical
+    _matmul.install()  # the device's bf16/fp16 matrix products
 
 
 _workers = 0  # the workers of this process that hold its device (engines run in-process)
