@@ -147,13 +147,50 @@ def test_graphs_share_one_pool_sized_by_the_largest_and_keep_their_outputs():
     pool = npu.graph_pool_handle()
     w = torch.randn(64, 64)
     xs = {n: torch.randn(n, 64) for n in (32, 8, 1)}
-    graphs = {n: capture(mlp, xs[n], w, [], pool=pool) for n in (32, 8, 1)}
-    scratch = {n: g.sim_graph.scratch_bytes for n, (g, _) in graphs.items()}
-    assert pool.pool.arena.numel() == scratch[32] > scratch[8] > 0
+    graphs, sizes = {}, {}
+    for n in (32, 8, 1):  # largest first; each output kept by the caller
+        graphs[n] = capture(mlp, xs[n], w, [], pool=pool)
+        sizes[n] = pool.pool.nbytes
+    assert sizes[32] > 0 and sizes[1] == sizes[8]  # the later graphs fit in what 32 freed
     for n, (g, out) in graphs.items():  # still correct after sharing
         xs[n].copy_(torch.randn(n, 64))
         g.replay()
         torch.testing.assert_close(out, mlp(xs[n], w, []))
+
+
+def test_an_output_python_dropped_returns_to_the_pool_and_one_it_holds_is_not_overwritten():
+    pool = npu.graph_pool_handle()
+    w = torch.randn(64, 64)
+    x = torch.randn(32, 64)
+    first, out = capture(mlp, x, w, [], pool=pool)
+    # The next piece reads the first one's output while it is captured: its scratch goes around
+    # the output's block, which Python still holds.
+    second, out2 = capture(mlp, out, w, [], pool=pool)
+    held = pool.pool.nbytes
+    x.copy_(torch.randn(32, 64))
+    first.replay()
+    second.replay()
+    torch.testing.assert_close(out2, mlp(mlp(x, w, []), w, []))
+    # Once dropped, both outputs' memory is the next capture's: it adds no segment.
+    weak = torch_npu._C._weak_ref_tensor(out)
+    del out, out2
+    assert weak.isnan().all()  # its block went back to the pool, poisoned (someone else's now)
+    third, out3 = capture(mlp, torch.randn(32, 64), w, [], pool=pool)
+    assert pool.pool.nbytes == held
+    first.replay()  # the graph still writes its output where it was captured
+    torch.testing.assert_close(weak, mlp(x, w, []))
+    assert not out3.isnan().any()
+
+
+def test_a_graph_that_passes_an_earlier_output_through_does_not_keep_it_allocated():
+    pool = npu.graph_pool_handle()
+    w = torch.randn(64, 64)
+    first, out = capture(mlp, torch.randn(8, 64), w, [], pool=pool)
+    # A piece returning a view of its input (vLLM's pieces pass the residual on this way).
+    second, (passed, new) = capture(lambda t: (t[:4], t @ w), out, pool=pool)
+    weak = torch_npu._C._weak_ref_tensor(passed)
+    del out, passed, new
+    assert weak.isnan().all()  # the block was freed: no graph holds it
 
 
 def test_graph_wrapper_refuses_inputs_at_other_addresses_counts_and_releases():

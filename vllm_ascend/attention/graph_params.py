@@ -57,7 +57,11 @@ class GraphParams:
         self.calls[key] = []
 
     def end_capture(self) -> None:
-        self._capturing_key = None
+        # As upstream: the workspace stays in the graph's pool, referenced weakly, so the pool
+        # may give its memory to the next capture (graphs never run at once).
+        key, self._capturing_key = self._capturing_key, None
+        if key in self.workspaces:
+            self.workspaces[key] = torch_npu._C._weak_ref_tensor(self.workspaces[key])
 
     def workspace(self, make) -> torch.Tensor:
         """The capture size's FIA workspace: made by the first layer, shared by all."""

@@ -8,11 +8,14 @@ recorder, so the device ops they issue are what is recorded. At ``capture_end`` 
 frozen as a graph pool would leave it:
 
 * tensors made outside the graph (inputs, weights, the KV cache) are read at their addresses;
-* tensors still referenced from Python when the capture ends (the callable's output, whatever
-  the caller kept) keep their storage: replay overwrites them in place;
-* every other intermediate moves into the pool's scratch arena, reusing bytes by liveness; all
-  graphs of a pool share the arena (they never run at once), so capturing the largest size first
-  keeps the memory of all sizes near that of the largest;
+* every storage the graph made moves into its pool (``GraphPool``: a caching allocator's private
+  pool, shared by the graphs of an engine), placed by liveness: what dies inside the graph
+  shares bytes with what comes later, and what Python still holds when the capture ends (the
+  callable's output, a workspace kept for updates) becomes a block that its tensors own; when
+  they go, the block returns to the pool for the next capture, while this graph keeps reading
+  and writing it at replay (outputs are overwritten in place by every replay, and by a later
+  graph's replay once the block is someone else's). Capturing the largest size first keeps the
+  memory of all sizes near that of the largest;
 * replay is a flat list of prepared kernel calls (``.out`` overloads where the op has one), with
   no Python of the model in it, cut where a node waits on an ExternalEvent.
 
@@ -22,6 +25,7 @@ live graph holds one stream of the device's budget; exhausting it raises error 2
 """
 
 import contextlib
+import ctypes
 import threading
 import weakref
 
@@ -82,17 +86,113 @@ class StreamPool:
 
 
 class GraphPool:
-    """Memory shared by graphs: one scratch arena for their intermediates."""
+    """Memory shared by graphs, as a private pool of the chip's caching allocator: segments of
+    device memory in which each capture places the storages it made, by liveness.
+
+    Once a capture ends, what it made that Python no longer holds is free for the next capture
+    (graphs of one pool never run at once, so a later graph may use it as its own); what Python
+    still holds (the capture's output, passed on to the next piece) stays allocated as a block of
+    its own until its last tensor goes, and then returns to the pool. The graph keeps reading and
+    writing its memory at replay whoever owns it now, as a captured graph does on the chip.
+    Capturing the largest size first keeps the pool near that size's needs. A capture that does
+    not fit in the free ranges adds one segment."""
 
     def __init__(self):
-        self.arena = torch.empty(0, dtype=torch.uint8)
+        self.segments: list[torch.Tensor] = []  # uint8
+        self.free: list[tuple[int, int, int]] = []  # (segment, offset, bytes), merged
+        self._lock = threading.RLock()
 
-    def arena_for(self, nbytes: int) -> torch.Tensor:
-        if nbytes > self.arena.numel():
-            # Older graphs keep their views of the previous arena alive; capture large sizes
-            # first so that this happens once.
-            self.arena = torch.zeros(nbytes, dtype=torch.uint8)
-        return self.arena
+    @property
+    def nbytes(self) -> int:
+        return sum(seg.numel() for seg in self.segments)
+
+    def release(self, segment: int, offset: int, nbytes: int) -> None:
+        """A block's last tensor went: its range is free for the next capture."""
+        with self._lock:
+            _free_range(self.free, segment, offset, nbytes)
+
+
+def _free_range(free: list, segment: int, offset: int, nbytes: int) -> None:
+    free.append((segment, offset, nbytes))
+    free.sort()
+    merged: list = []
+    for seg, off, size in free:
+        if merged and merged[-1][0] == seg and merged[-1][1] + merged[-1][2] == off:
+            merged[-1] = (seg, merged[-1][1], merged[-1][2] + size)
+        else:
+            merged.append((seg, off, size))
+    free[:] = merged
+
+
+class _Placement:
+    """One capture's storages placed in a pool by liveness, in program order: first fit in the
+    pool's free ranges, else in one new segment that grows as needed. Holds the pool's lock
+    until ``commit`` (a block freed meanwhile, by this thread, joins the free ranges at once)."""
+
+    def __init__(self, pool: GraphPool):
+        self.pool = pool
+        self.new = len(pool.segments)  # the index a new segment gets
+        self.top = 0  # bytes of the new segment placed so far
+
+    def __enter__(self):
+        self.pool._lock.acquire()
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        pool = self.pool
+        try:
+            if exc_type is None and self.top:
+                pool.segments.append(torch.zeros(self.top, dtype=torch.uint8))
+            elif exc_type is not None:  # nothing was placed after all
+                pool.free = [r for r in pool.free if r[0] != self.new]
+        finally:
+            pool._lock.release()
+
+    def place(self, nbytes: int) -> tuple[int, int]:
+        free = self.pool.free
+        for k, (seg, off, size) in enumerate(free):
+            if size >= nbytes and seg != self.new:
+                free[k:k + 1] = [(seg, off + nbytes, size - nbytes)] if size > nbytes else []
+                return seg, off
+        for k, (seg, off, size) in enumerate(free):
+            if seg == self.new and (size >= nbytes or off + size == self.top):
+                # (a free tail of the new segment grows into new bytes)
+                free.pop(k)
+                if size > nbytes:
+                    _free_range(free, seg, off + nbytes, size - nbytes)
+                self.top = max(self.top, off + nbytes)
+                return seg, off
+        offset, self.top = self.top, self.top + nbytes
+        return self.new, offset
+
+    def release(self, segment: int, offset: int, nbytes: int) -> None:
+        _free_range(self.pool.free, segment, offset, nbytes)
+
+
+# A pool block a capture's output was moved into (a storage of its own over pool memory):
+# its data pointer -> (the segment, the byte offset in it, bytes).
+_BLOCKS: dict[int, tuple[torch.Tensor, int, int]] = {}
+
+
+def _block_storage(pool: GraphPool, segment: int, offset: int, nbytes: int):
+    """A storage over ``nbytes`` of a pool segment, owning that range: when its last tensor
+    goes, the range returns to the pool (and weak references into it read poison)."""
+    seg = pool.segments[segment]
+    address = seg.data_ptr() + offset
+    block = (ctypes.c_char * nbytes).from_address(address)
+    _BLOCKS[address] = (seg, offset, nbytes)
+    weakref.finalize(block, _block_freed, pool, segment, offset, nbytes, seg)
+    return torch.frombuffer(block, dtype=torch.uint8).untyped_storage()
+
+
+def _block_freed(pool: GraphPool, segment: int, offset: int, nbytes: int, seg) -> None:
+    address = seg.data_ptr() + offset
+    _BLOCKS.pop(address, None)
+    if _live_aliases(address):  # only non-owning references are left: poison, as elsewhere
+        _WEAK_ALIASES.pop(address, None)
+        with _disable_current_modes():
+            _bytes_of(seg.untyped_storage())[offset:offset + nbytes].fill_(_POISON_BYTE)
+    pool.release(segment, offset, nbytes)
 
 
 class _Node:
@@ -245,13 +345,24 @@ def weak_ref_tensor(t: torch.Tensor) -> torch.Tensor:
     reset, a pool freed), the memory is poisoned, so a reader sees NaN (or -1) where the chip
     would read memory given to someone else. What is watched: ``t`` itself and, for memory a
     capture moved into its pool, the graph's tensors and the pool (an owner made from ``t``
-    elsewhere, such as a view, is not: while it lives the memory counts as owned)."""
-    with _disable_current_modes():  # not part of a graph being captured
-        alias = torch.empty(0, dtype=t.dtype, device=t.device).set_(
-            t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
+    elsewhere, such as a view, is not: while it lives the memory counts as owned). For a
+    capture's output (a block of the pool that Python's tensors own), the alias reads the pool's
+    memory, so it does not keep the block allocated; the block's range is poisoned when it
+    returns to the pool."""
     key = _storage_key(t)
+    block = _BLOCKS.get(key)
+    with _disable_current_modes():  # not part of a graph being captured
+        if block is not None:
+            segment, offset, _ = block
+            alias = torch.empty(0, dtype=t.dtype, device=t.device).set_(
+                segment.untyped_storage(), offset // t.element_size() + t.storage_offset(),
+                t.size(), t.stride())
+        else:
+            alias = torch.empty(0, dtype=t.dtype, device=t.device).set_(
+                t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
     _WEAK_ALIASES.setdefault(key, []).append(weakref.ref(alias))
-    weakref.finalize(t, _poison_if_unowned, key)
+    if block is None:
+        weakref.finalize(t, _poison_if_unowned, key)
     return alias
 
 
@@ -278,9 +389,10 @@ def _poison_if_unowned(key: int) -> None:
         torch.empty(0, dtype=torch.uint8).set_(storage).fill_(_POISON_BYTE)
 
 
-def _move_aliases(key: int, storage, byte_offset: int, owners) -> None:
-    """A storage the capture moved into the pool's arena: its aliases follow it, and the
-    tensors that own it there (``owners``) poison it for them when they go."""
+def _move_aliases(key: int, storage, byte_offset: int, owners, watch_key=None) -> None:
+    """A storage the capture moved into the pool: its aliases follow it. The tensors that own
+    it there (``owners``) poison it for them when they go; or, for a block Python's tensors own,
+    the block does when it is freed (``watch_key``: its address)."""
     aliases = _live_aliases(key)
     _WEAK_ALIASES.pop(key, None)
     if not aliases:
@@ -289,7 +401,7 @@ def _move_aliases(key: int, storage, byte_offset: int, owners) -> None:
         for alias in aliases:
             alias.set_(storage, byte_offset // alias.element_size() + alias.storage_offset(),
                        alias.size(), alias.stride())
-    new_key = _storage_key(aliases[0])  # the arena's: one watch per owner, not per alias
+    new_key = watch_key if watch_key is not None else _storage_key(aliases[0])
     _WEAK_ALIASES.setdefault(new_key, []).extend(weakref.ref(a) for a in aliases)
     for owner in owners:
         weakref.finalize(owner, _poison_if_unowned, new_key)
@@ -323,6 +435,22 @@ def _storage_nbytes(storage) -> int:
     return max(_ALIGN, -(-storage.nbytes() // _ALIGN) * _ALIGN)
 
 
+def _bytes_of(storage) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8).set_(storage)
+
+
+def _only_recorded_owners(storage, recorded: int, aliases: list) -> bool:
+    """Whether the tensors holding ``storage`` are the ``recorded`` ones the capture made and
+    the weak ``aliases`` of it (plus its one Python storage object)."""
+    return torch._C._storage_Use_Count(storage._cdata) == 1 + recorded + len(aliases)
+
+
+def _repoint(t: torch.Tensor, storage) -> None:
+    """``t`` reads and writes ``storage`` (a copy of its own) from now on."""
+    with _disable_current_modes(), torch.inference_mode(t.is_inference()):
+        t.set_(storage, t.storage_offset(), t.size(), t.stride())
+
+
 class SimGraph:
     """A captured graph: its prepared calls, cut into segments at ExternalEvent waits."""
 
@@ -335,7 +463,6 @@ class SimGraph:
         self._inference = False
         self.segments: list = []  # [(calls, wait event or None)]
         self._group_calls: dict[int, list] = {}  # task group -> [(segment, index)]
-        self.scratch_bytes = 0
 
     # -- capture ------------------------------------------------------------------------------
     def begin(self) -> None:
@@ -392,54 +519,72 @@ class SimGraph:
         frozen = nodes  # converted in place: the record no longer holds internal tensors
         # Which internal tensors does Python still hold (the output, what the caller kept)?
         alive = {k: t for k, t in ((k, r()) for k, r in enumerate(refs)) if t is not None}
+        storages = {m.key: m.storage for m in metas}
         kept = {metas[k].key for k in alive}
-        # Storages allocated in the graph and dead at its end share the arena by liveness.
-        moved = sorted((key for key in first_def if key not in kept), key=first_def.get)
-        sizes = {}
-        for m in metas:
-            if m.key in first_def and m.key not in kept:
-                sizes[m.key] = _storage_nbytes(m.storage)
-        frees: dict[int, list[int]] = {}
-        for key in moved:
-            frees.setdefault(last_use[key], []).append(key)
-        offset_of = {}
-        free: list[tuple[int, int]] = []
-        top = 0
+        # Storages made in the graph go into the pool; one that Python still holds becomes a
+        # block of its own there, unless something the record does not know holds it too (it
+        # keeps its memory then, and the graph with it).
+        stay = {key for key in kept if key not in first_def or not _only_recorded_owners(
+            storages[key], sum(metas[k].key == key for k in alive), _live_aliases(key))}
+        placed = sorted((key for key in first_def if key not in stay), key=first_def.get)
+        sizes = {key: _storage_nbytes(storages[key]) for key in placed}
         by_def: dict[int, list[int]] = {}
-        for key in moved:
+        frees: dict[int, list[int]] = {}
+        for key in placed:
             by_def.setdefault(first_def[key], []).append(key)
-        for i in range(len(frozen)):
-            for key in by_def.get(i, ()):
-                offset_of[key], top = _alloc(free, top, sizes[key])
-            for key in frees.get(i, ()):
-                _release(free, offset_of[key], sizes[key])
-        arena = pool.arena_for(top).untyped_storage()
-        self.scratch_bytes = top
+            if key not in kept:  # the graph's own: free after its last use
+                frees.setdefault(last_use[key], []).append(key)
+        where: dict[int, tuple[int, int]] = {}
+        with _Placement(pool) as placement:
+            for i in range(len(frozen)):
+                for key in by_def.get(i, ()):
+                    where[key] = placement.place(sizes[key])
+                for key in frees.get(i, ()):
+                    placement.release(*where[key], sizes[key])
+        segments = [seg.untyped_storage() for seg in pool.segments]
+        blocks = {}
+        for key in kept - stay:  # Python's tensors own a block of the pool from now on
+            blocks[key] = _block_storage(pool, *where[key], sizes[key])
+            with _disable_current_modes():
+                _bytes_of(blocks[key])[:storages[key].nbytes()].copy_(_bytes_of(storages[key]))
         tensors = {}
         for k, m in enumerate(metas):
-            if k in alive:
+            if m.key in where:
+                seg, offset = where[m.key]
+                tensors[k] = m.view_of(segments[seg], offset)
+                if k in alive:
+                    _repoint(alive[k], blocks[m.key])
+            elif m.key in _BLOCKS:  # a view of an earlier capture's output, passed through
+                segment, offset, _ = _BLOCKS[m.key]
+                tensors[k] = m.view_of(segment.untyped_storage(), offset)
+            elif k in alive:
                 tensors[k] = alive[k]
-            elif m.key in offset_of:
-                tensors[k] = m.view_of(arena, offset_of[m.key])
             else:
                 tensors[k] = m.view_of(m.storage)
         # Non-owning aliases of moved storages (upstream keeps FIA's query and output that way)
         # point where the graph now reads and writes them.
-        moved_with_aliases = set(offset_of) & set(_WEAK_ALIASES)
-        if moved_with_aliases:
-            owners: dict[int, list] = {}
-            for k, m in enumerate(metas):
-                if m.key in moved_with_aliases:
-                    owners.setdefault(m.key, []).append(tensors[k])
-            for key in moved_with_aliases:
-                _move_aliases(key, arena, offset_of[key], [*owners[key], pool.arena])
-        del alive, metas
+        for key in set(where) & set(_WEAK_ALIASES):
+            seg, offset = where[key]
+            if key in blocks:  # watched by the block: poisoned when it is freed
+                _move_aliases(key, segments[seg], offset, (), watch_key=blocks[key].data_ptr())
+            else:  # watched by the graph's tensors and the segment
+                _move_aliases(key, segments[seg], offset,
+                              [*(tensors[k] for k, m in enumerate(metas) if m.key == key),
+                               pool.segments[seg]])
+        del alive, metas, storages, blocks
 
         plain: dict[int, torch.Tensor] = {}
 
         def real(x):
             if isinstance(x, _Slot):
                 return tensors[x.k]
+            if isinstance(x, torch.Tensor) and _storage_key(x) in _BLOCKS:
+                # An earlier capture's output, passed in: the graph reads the pool's memory
+                # where it lies, without keeping the block allocated.
+                if id(x) not in plain:
+                    segment, offset, _ = _BLOCKS[_storage_key(x)]
+                    plain[id(x)] = _Meta(x).view_of(segment.untyped_storage(), offset)
+                return plain[id(x)]
             if isinstance(x, torch.Tensor) and type(x) is not torch.Tensor:
                 # A tensor subclass made outside the graph (vLLM's weight Parameters define
                 # __torch_function__): the device reads its memory, not its Python class, so the
