@@ -82,6 +82,17 @@ def test_a_communicator_holds_twice_hccl_buffsize_outside_torchs_allocator(commu
     assert npu.mem_get_info()[0] >= free + 200 * MiB
 
 
+@pytest.mark.parametrize("device_gib,mb", [(64, 200), (5.89, 18), (2, 6), (0.1, 1)])
+def test_unset_hccl_buffsize_is_canns_default_scaled_to_the_simulated_device(
+        monkeypatch, device_gib, mb):
+    from vllm_ascend.device.sim import memory
+
+    monkeypatch.delenv("HCCL_BUFFSIZE", raising=False)
+    assert memory.hccl_buffer_bytes(int(device_gib * (1 << 30))) == 2 * mb * MiB
+    monkeypatch.setenv("HCCL_BUFFSIZE", "100")  # set: as given, whatever the device
+    assert memory.hccl_buffer_bytes(int(device_gib * (1 << 30))) == 200 * MiB
+
+
 def test_torch_accelerator_reaches_the_device():
     assert torch.accelerator.get_memory_info() == npu.mem_get_info()
     x = torch.ones(32 * MiB, dtype=torch.uint8)

@@ -16,10 +16,11 @@ Here the host is the device, so:
   two of those (the sampler's logits) is not seen. Looking costs about a millisecond in a large
   process (glibc walks its free lists), so it is not done at every op, nor while serving.
 * **outside torch** is charged explicitly by what would hold it on a chip: each communicator
-  of two or more ranks holds 2 x HCCL_BUFFSIZE MiB (default 200), "used for receiving and
-  sending", from its creation (CANN's HCCL_BUFFSIZE reference, envref_07_0080; the chip
-  allocates it at the communicator's first collective, the simulator at its creation, the
-  stricter reading).
+  of two or more ranks holds 2 x HCCL_BUFFSIZE MiB, "used for receiving and sending", from its
+  creation (CANN's HCCL_BUFFSIZE reference, envref_07_0080; the chip allocates it at the
+  communicator's first collective, the simulator at its creation, the stricter reading).
+  CANN's default is 200 MB on a 64 GiB chip; unset, the simulator scales it to its device
+  (``hccl_buffer_bytes``).
 * **physical memory** that the runtime's virtual memory calls allocate (sim/acl.py: sleep mode's
   pool) is torch's too, counted from those calls, since it lives outside the heap.
 * **out of memory**: when the two together exceed the device, the next look at the device's
@@ -42,6 +43,7 @@ import torch
 
 HCCL_BUFFSIZE_ENV = "HCCL_BUFFSIZE"
 DEFAULT_HCCL_BUFFSIZE_MB = 200
+CHIP_HBM_BYTES = 64 << 30  # an Atlas 800 A2's 910B: the chip CANN's default is sized for
 GiB = float(1 << 30)
 
 
@@ -134,11 +136,19 @@ def outside_torch() -> int:
     return sum(_ACCOUNT.outside.values())
 
 
-def hccl_buffer_bytes() -> int:
-    value = os.environ.get(HCCL_BUFFSIZE_ENV, str(DEFAULT_HCCL_BUFFSIZE_MB))
-    if not value.isdigit() or int(value) < 1:
+def hccl_buffer_bytes(device_total: int) -> int:
+    """What one communicator holds: 2 x HCCL_BUFFSIZE MB. Unset, HCCL_BUFFSIZE is CANN's default
+    (200 MB) scaled to the simulated device as it is to a chip's HBM: 200 MB on a 64 GiB 910B
+    is 200 x device memory / 64 GiB here (18 MB on a 5.9 GiB device), so a simulated device
+    leaves its engines the share of memory a chip leaves them."""
+    value = os.environ.get(HCCL_BUFFSIZE_ENV)
+    if value is None:
+        mb = max(1, round(DEFAULT_HCCL_BUFFSIZE_MB * device_total / CHIP_HBM_BYTES))
+    elif not value.isdigit() or int(value) < 1:
         raise ValueError(f"{HCCL_BUFFSIZE_ENV}={value!r} must be an integer >= 1 (MB)")
-    return 2 * int(value) << 20  # one buffer to send, one to receive
+    else:
+        mb = int(value)
+    return 2 * mb << 20  # one buffer to send, one to receive
 
 
 def charge(holder: str, nbytes: int) -> None:
