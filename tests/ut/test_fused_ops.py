@@ -64,6 +64,22 @@ def test_rotary_embedding(dtype, neox, rotary_dim):
     close(fk, rk, dtype)
 
 
+@pytest.mark.parametrize("head_size,rotary_dim", [(32, 16), (48, 48)])
+def test_rotary_sizes_npu_mrope_refuses_run_upstreams_unfused_version(head_size, rotary_dim):
+    from vllm_ascend.device import torch_npu
+
+    rope = make_rope(head_size, rotary_dim, True, torch.bfloat16)
+    pos = torch.randint(0, 256, (5,))
+    q = torch.randn(5, 4 * head_size, dtype=torch.bfloat16)
+    k = torch.randn(5, 2 * head_size, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="(?s)561002.*multiples of 32"):
+        torch_npu.npu_mrope(pos, q, k, rope.cos_sin_cache.bfloat16(), head_size,
+                            mrope_section=[0, 0, 0], rotary_mode="half")
+    fq, fk = rope.forward_oot(pos, q.clone(), k.clone())
+    rq, rk = rope.forward_native(pos, q.clone(), k.clone())
+    assert torch.equal(fq, rq) and torch.equal(fk, rk)
+
+
 def close_to_truth(low, truth, dtype, units=2):
     """``low`` within ``units`` roundings of ``dtype`` of the fp32 ``truth``, relative to the
     largest operand: a rotation's cancellation leaves an error of the largest term's rounding on
