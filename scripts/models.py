@@ -67,12 +67,7 @@ def tiny_model_dir(family: str, dtype: str = "float32", seed: int = 1234) -> str
                                + ("" if seed == 1234 else f"-seed{seed}"))
     if (path / "config.json").exists():
         return str(path)
-    tok = transformers.AutoTokenizer.from_pretrained(_tokenizer_dir())
-    config = getattr(transformers, config_cls)(**{
-        "vocab_size": len(tok), "hidden_size": 128, "intermediate_size": 256,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "max_position_embeddings": 1024, "tie_word_embeddings": False, "torch_dtype": dtype,
-        "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, **extra})
+    config, tok = _tiny_config(family, dtype)
     torch.manual_seed(seed)
     mtp = config.to_dict().get("num_nextn_predict_layers", 0)
     if mtp:  # build the MTP layers' decoder blocks as extra layers of the model
@@ -99,6 +94,36 @@ def tiny_model_dir(family: str, dtype: str = "float32", seed: int = 1234) -> str
         model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     tmp.rename(path)
+    return str(path)
+
+
+def _tiny_config(family: str, dtype: str = "float32", **overrides):
+    """The tiny ``family`` model's HF config (with ``overrides``) and its tokenizer."""
+    import transformers
+
+    config_cls, _, extra = TINY_FAMILIES[family]
+    tok = transformers.AutoTokenizer.from_pretrained(_tokenizer_dir())
+    config = getattr(transformers, config_cls)(**{
+        "vocab_size": len(tok), "hidden_size": 128, "intermediate_size": 256,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 1024, "tie_word_embeddings": False, "torch_dtype": dtype,
+        "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, **extra,
+        **overrides})
+    return config, tok
+
+
+def config_only_dir(family: str, **overrides) -> str:
+    """A checkpoint directory of the tiny ``family`` model's config with ``overrides`` and its
+    tokenizer, without weights: for what vLLM and the plugin decide from the config alone."""
+    name = "-".join(f"{k}{v}" for k, v in sorted(overrides.items()))
+    path = CACHE / "models" / f"config-{family}-{name}"
+    if not (path / "config.json").exists():
+        config, tok = _tiny_config(family, **overrides)
+        config.architectures = [TINY_FAMILIES[family][1]]
+        tmp = path.with_suffix(".tmp")
+        config.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        tmp.rename(path)
     return str(path)
 
 

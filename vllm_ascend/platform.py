@@ -10,6 +10,7 @@ from vllm_ascend.logger import get_logger
 from vllm.platforms.interface import Platform, PlatformEnum
 
 from vllm_ascend import device, patch
+from vllm_ascend.attention import limits
 from vllm_ascend.device import torch_npu
 
 if TYPE_CHECKING:
@@ -20,7 +21,6 @@ MLA_OP = "vllm::ascend_mla_attention"  # the Ascend MLA layer's attention op (op
 
 ASCEND_BLOCK_SIZE = 128  # the paged-KV block size FIA is used with
 FIA_DTYPES = (torch.bfloat16, torch.float16)  # what FIA computes in; the first is preferred
-FIA_MAX_QUERY_PER_REQUEST = 16  # TND decode with speculation (upstream asserts it)
 MULTIPROC_METHOD_ENV = "VLLM_WORKER_MULTIPROC_METHOD"
 # The plugin's own settings (README), and the scripts' cache and venv locations.
 PLUGIN_ENV_VARS = {"VLLM_ASCEND_DEVICE", "VLLM_ASCEND_SIM_MEMORY_GB", "VLLM_ASCEND_SIM_STREAMS",
@@ -199,9 +199,13 @@ class NPUPlatform(Platform):
                 "Pass dtype='bfloat16' (--dtype bfloat16), or leave it 'auto', which runs a "
                 "float32 checkpoint in bfloat16.")
         if model_config is not None:
+            limits.check(vllm_config)  # the attention operators' shapes, before any worker
             cls._select_quantization(vllm_config)
         if model_config is not None and model_config.enable_sleep_mode:
             cls._select_sleep_mode_backend(model_config)
+        from vllm_ascend.worker import choice
+
+        logger.info("vllm-ascend: model runner %s", choice.describe(vllm_config))
         parallel_config = vllm_config.parallel_config
         # The engine core cleans up the device at shutdown even when its workers are other
         # processes (tensor parallelism): it needs the device's process set-up too.
@@ -362,13 +366,6 @@ class NPUPlatform(Platform):
                 "drafter exists on the last pipeline stage only, and the other stages fail in "
                 "their first step. Split the model with tensor_parallel_size instead, or turn "
                 "speculative decoding off.")
-        k = spec.num_speculative_tokens if spec is not None else None
-        if k and 1 + k > FIA_MAX_QUERY_PER_REQUEST:
-            raise ValueError(
-                f"num_speculative_tokens={k} is too many for Ascend: the verify step gives each "
-                f"request 1 + {k} = {1 + k} query tokens, and the fused infer attention "
-                f"operator takes at most {FIA_MAX_QUERY_PER_REQUEST} per request in TND "
-                f"layout. Use num_speculative_tokens <= {FIA_MAX_QUERY_PER_REQUEST - 1}.")
 
     @classmethod
     def _apply_graph_mode(cls, vllm_config: "VllmConfig") -> None:

@@ -16,3 +16,64 @@ def test_no_memory_left_for_the_kv_cache_names_the_settings_that_fix_it():
     assert "No memory left for the KV cache on the sim device: 0.02 GiB budget" in message
     assert ("Raise gpu_memory_utilization, set VLLM_ASCEND_SIM_MEMORY_GB higher, or lower "
             "max_num_batched_tokens") in message
+
+
+# Checkpoints with only a config (no weights): the refusal must come from the config, before
+# any weight is read, within seconds of the command.
+LIMITS = [
+    pytest.param("llama", {"head_dim": 40}, {}, "head size 40", id="fia-head-size"),
+    pytest.param("llama", {"num_attention_heads": 128, "num_key_value_heads": 1,
+                           "head_dim": 16}, {},
+                 "--tensor-parallel-size 2", id="fia-heads-per-kv-head"),
+    # MiniCPM3's latent attention shapes on the DeepSeek-V2 architecture.
+    pytest.param("deepseek_v2", {"kv_lora_rank": 256, "qk_rope_head_dim": 32,
+                                 "qk_nope_head_dim": 64, "v_head_dim": 64}, {},
+                 "kv_lora_rank=256, qk_rope_head_dim=32", id="mla-shapes"),
+    pytest.param("llama", {}, {"block_size": 512}, "block_size 512", id="block-size"),
+    pytest.param("llama", {}, {"max_num_seqs": 4096, "max_num_batched_tokens": 4096},
+                 "--max-num-seqs 4095", id="fia-batch"),
+]
+
+
+@pytest.mark.parametrize("family,config,settings,fix", LIMITS)
+def test_a_shape_the_operators_refuse_fails_at_once_before_weights_load(family, config,
+                                                                      settings, fix):
+    import time
+
+    from scripts.models import config_only_dir
+
+    path = config_only_dir(family, **config)
+    start = time.monotonic()
+    # (vLLM reports its config's errors as pydantic's ValidationError, a ValueError)
+    with pytest.raises(ValueError, match="exceeds what Ascend's attention operators "
+                                         "accept") as failure:
+        with engine(path, **settings):
+            pass
+    assert time.monotonic() - start < 30
+    assert fix in str(failure.value)
+
+
+def test_the_model_runner_is_v1_whether_or_not_triton_imports(monkeypatch, caplog):
+    """vLLM 0.32 picks Model Runner V2 where Triton imports (a chip with triton-ascend); the
+    plugin names V1, the runner its worker builds, and says so; V2 asked for is refused."""
+    import logging
+
+    import vllm.config.vllm as vllm_config_module
+    from vllm.engine.arg_utils import EngineArgs
+
+    import vllm_ascend
+    monkeypatch.setattr(vllm_config_module, "HAS_TRITON", True)  # a stand-in for triton
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    vllm_ascend.register()  # the platform plugin's load, as in every vLLM process
+    args = EngineArgs(model=model_path("llama"), max_model_len=512)
+    with caplog.at_level(logging.INFO, logger="vllm_ascend"):
+        config = args.create_engine_config()
+    assert config.use_v2_model_runner is False
+    assert "vllm-ascend: model runner V1 (NPUModelRunner; VLLM_USE_V2_MODEL_RUNNER=0)" in \
+        caplog.text
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER")
+    assert config.use_v2_model_runner  # what vLLM alone would build here
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    with pytest.raises(ValueError, match="Model Runner V2 was asked for \\(VLLM_USE_V2_MODEL_"
+                                         "RUNNER=1\\), but vllm-ascend runs vLLM's V1"):
+        args.create_engine_config()
