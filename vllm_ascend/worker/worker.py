@@ -20,6 +20,7 @@ from vllm_ascend import device, patch
 from vllm_ascend.device import torch_npu
 from vllm_ascend.device_allocator import sleep
 from vllm_ascend.device_allocator.vmm import NPUMemAllocator
+from vllm_ascend.worker import choice
 from vllm_ascend.worker.model_runner import NPUModelRunner
 
 logger = get_logger(__name__)
@@ -100,6 +101,8 @@ class NPUWorker(Worker):
                     handle.remove()
 
     def _make_model_runner(self) -> NPUModelRunner:
+        # Upstream builds V2 when the config names it; the plugin has V1 only (worker/choice.py).
+        logger.info("vllm-ascend: model runner %s", choice.describe(self.vllm_config))
         return NPUModelRunner(self.vllm_config, self.device)
 
     def _maybe_get_memory_pool_context(self, tag: str):
