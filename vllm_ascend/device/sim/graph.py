@@ -66,7 +66,8 @@ class StreamPool:
     def __init__(self, budget_fn):
         self._budget_fn = budget_fn
         self.in_use = 0
-        self._lock = threading.Lock()
+        # Reentrant: a graph the garbage collector drops inside acquire() releases its stream.
+        self._lock = threading.RLock()
 
     @property
     def budget(self) -> int:
