@@ -268,39 +268,66 @@ def fia_kernel(query, key, value, atten_mask, actual_seq_lengths, actual_seq_len
         num_heads, num_key_value_heads, input_layout, sparse_mode, block_size, pre_tokens,
         next_tokens)
     nkv = num_key_value_heads or num_heads
-    max_q, max_kv = max(q_lens), max(kv_lens)
-    if query.shape[0] == 0 or max_q == 0:
+    if query.shape[0] == 0 or max(q_lens) == 0:
         return  # F17: nothing to attend for
-    batch = len(q_lens)
-    dev = query.device
-    gqa = num_heads != nkv
-    if max_q == 1 and block_table is not None:
-        # Decode: at most one query token per request (the last of its KV), so only the KV
-        # lengths mask; requests without a query token (graph padding) are skipped.
-        active = [b for b, q in enumerate(q_lens) if q]
-        kv_active = [kv_lens[b] for b in active]
-        table = block_table if len(active) == batch else block_table[active]
-        kp, vp = _paged_kv(key, value, table, max(kv_active), block_size, nkv, d)
-        # Grouped-query attention in fp32, one matmul per head group (faster on a CPU than
-        # bf16 SDPA at decode shapes; the chip's FIA also accumulates the softmax in fp32).
-        t, length = query.shape[0], kp.shape[1]
-        scores = torch.matmul(query.view(t, nkv, num_heads // nkv, d).float(),
-                              kp.permute(0, 2, 3, 1).float()) * scale  # [T, nkv, g, L]
-        if min(kv_active) != length:
-            valid = torch.arange(length, device=dev) < torch.tensor(kv_active, device=dev)[:, None]
-            scores.masked_fill_(~valid[:, None, None], float("-inf"))
-        o = torch.matmul(scores.softmax(-1), vp.transpose(1, 2).float())  # [T, nkv, g, D]
-        out.copy_(o.view(t, num_heads, d))
-        return
-    if block_table is not None:
-        kp, vp = _paged_kv(key, value, block_table, max_kv, block_size, nkv, d)
-    else:
-        kv_cu = list(actual_seq_lengths_kv)
-        kv_starts = [c - k for c, k in zip(kv_cu, kv_lens)]
-        kp, _ = _gather_rows(key, kv_starts, kv_lens, max_kv)
-        vp, _ = _gather_rows(value, kv_starts, kv_lens, max_kv)
     cu_q = list(actual_seq_lengths)
     q_starts = [c - q for c, q in zip(cu_q, q_lens)]
+    single = [b for b, q in enumerate(q_lens) if q == 1]
+    if block_table is not None and single:
+        # Requests of one query token (decode, and a mixed FULL graph's padding requests) each
+        # attend over their own KV, whatever else the batch holds (graph padding requests
+        # without a query token are skipped).
+        _attend_single_tokens(query, key, value, block_table, single,
+                              [q_starts[b] for b in single], [kv_lens[b] for b in single],
+                              num_heads, nkv, d, scale, block_size, out)
+    longer = [b for b, q in enumerate(q_lens) if q > 1 or (q == 1 and block_table is None)]
+    if longer:
+        _attend_padded(query, key, value, block_table, actual_seq_lengths_kv, longer, q_starts,
+                       q_lens, kv_lens, num_heads, nkv, d, scale, sparse_mode, block_size, out)
+
+
+def _attend_single_tokens(query, key, value, block_table, batch_rows, token_rows, kv_lens,
+                          num_heads, nkv, d, scale, block_size, out):
+    """One query token per request, the last of its KV: only the KV lengths mask."""
+    dev = query.device
+    everything = len(token_rows) == query.shape[0] and token_rows == list(range(len(token_rows)))
+    q = query if everything else query[torch.tensor(token_rows, device=dev)]
+    table = block_table if len(batch_rows) == block_table.shape[0] else \
+        block_table[torch.tensor(batch_rows, device=dev)]
+    kp, vp = _paged_kv(key, value, table, max(kv_lens), block_size, nkv, d)
+    # Grouped-query attention in fp32, one matmul per head group (faster on a CPU than bf16
+    # SDPA at decode shapes; the chip's FIA also accumulates the softmax in fp32).
+    t, length = q.shape[0], kp.shape[1]
+    scores = torch.matmul(q.view(t, nkv, num_heads // nkv, d).float(),
+                          kp.permute(0, 2, 3, 1).float()) * scale  # [T, nkv, g, L]
+    if min(kv_lens) != length:
+        valid = torch.arange(length, device=dev) < torch.tensor(kv_lens, device=dev)[:, None]
+        scores.masked_fill_(~valid[:, None, None], float("-inf"))
+    o = torch.matmul(scores.softmax(-1), vp.transpose(1, 2).float())  # [T, nkv, g, D]
+    if everything:
+        out.copy_(o.view(t, num_heads, d))
+    else:
+        out[torch.tensor(token_rows, device=dev)] = o.view(t, num_heads, d).to(out.dtype)
+
+
+def _attend_padded(query, key, value, block_table, actual_seq_lengths_kv, batch_rows, q_starts,
+                   q_lens, kv_lens, num_heads, nkv, d, scale, sparse_mode, block_size, out):
+    """Requests of several query tokens (causal: query i sits at position kv_len - q_len + i),
+    padded to the longest."""
+    dev = query.device
+    q_lens = [q_lens[b] for b in batch_rows]
+    kv_all, kv_lens = kv_lens, [kv_lens[b] for b in batch_rows]
+    q_starts = [q_starts[b] for b in batch_rows]
+    max_q, max_kv = max(q_lens), max(kv_lens)
+    if block_table is not None:
+        table = block_table if len(batch_rows) == block_table.shape[0] else \
+            block_table[torch.tensor(batch_rows, device=dev)]
+        kp, vp = _paged_kv(key, value, table, max_kv, block_size, nkv, d)
+    else:
+        kv_cu = list(actual_seq_lengths_kv)
+        kv_starts = [kv_cu[b] - kv_all[b] for b in batch_rows]
+        kp, _ = _gather_rows(key, kv_starts, kv_lens, max_kv)
+        vp, _ = _gather_rows(value, kv_starts, kv_lens, max_kv)
     qp, q_valid = _gather_rows(query, q_starts, q_lens, max_q)  # [B, Sq, N, D]
     kv_len_t = torch.tensor(kv_lens, device=dev)[:, None, None]
     j = torch.arange(max_kv, device=dev)[None, None, :]
@@ -310,7 +337,7 @@ def fia_kernel(query, key, value, atten_mask, actual_seq_lengths, actual_seq_len
     allowed |= ~q_valid[:, :, None]  # padded query rows: any finite row, discarded below
     o = torch.nn.functional.scaled_dot_product_attention(
         qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2), attn_mask=allowed[:, None],
-        scale=scale, enable_gqa=gqa).transpose(1, 2)  # [B, Sq, N, D]
+        scale=scale, enable_gqa=num_heads != nkv).transpose(1, 2)  # [B, Sq, N, D]
     rows = torch.tensor(q_starts, device=dev)[:, None] + torch.arange(max_q, device=dev)
     out[rows[q_valid]] = o[q_valid].to(out.dtype)
 
