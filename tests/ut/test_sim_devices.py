@@ -58,8 +58,10 @@ def test_two_workers_on_one_device_is_an_error(no_context):
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "ready"
-        with pytest.raises(DeviceContextError, match=f"device 3 is already in use by process "
-                                                     f"{holder.pid}: two workers on one device"):
+        with pytest.raises(DeviceContextError, match=f"NPU 3 is already in use by process "
+                                                     f"{holder.pid} \\(another engine, or another "
+                                                     "worker of this one\\).*Stop the other "
+                                                     "engine"):
             npu.set_device(3)
     finally:
         holder.communicate("", timeout=30)

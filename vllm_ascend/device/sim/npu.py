@@ -612,9 +612,10 @@ def _claim(physical: int) -> bool:
                 return False
             if holder is not None:
                 raise DeviceContextError(
-                    f"device {physical} is already in use by process {holder}: two workers on "
-                    "one device share its memory, and HCCL takes one rank per device. Give each "
-                    f"worker its own device ({VISIBLE_ENV}, or fewer ranks per node).")
+                    f"NPU {physical} is already in use by process {holder} (another engine, or "
+                    "another worker of this one): two processes on one device share its "
+                    "memory, and HCCL takes one rank per device. Stop the other engine, or give "
+                    f"each worker its own device ({VISIBLE_ENV}, or fewer ranks per node).")
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)  # its process is gone
             continue
@@ -696,9 +697,14 @@ def get_device_name(device=None) -> str:
 
 def total_memory() -> int:
     """The simulated device memory: $VLLM_ASCEND_SIM_MEMORY_GB, default a quarter of RAM."""
+    _opened("mem_get_info")
+    return configured_memory()
+
+
+def configured_memory() -> int:
+    """What ``total_memory`` gives a process that opens a device (without opening one)."""
     import psutil
 
-    _opened("mem_get_info")
     value = os.environ.get(MEMORY_ENV)
     if value:
         try:
