@@ -6,6 +6,7 @@ import functools
 import gc
 import os
 import pathlib
+import re
 import signal
 import socket
 import subprocess
@@ -362,19 +363,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# The settings the suite's engines share; a test of vLLM's and the simulator's defaults removes
+# them (vllm_server(..., defaults=True), default_env()).
+SUITE_SETTINGS = ("VLLM_ASCEND_SIM_MEMORY_GB", "HCCL_BUFFSIZE")
+
+
+def default_env() -> dict:
+    """This process's environment without the suite's settings: the simulator's default device
+    (a quarter of the host's memory) and HCCL buffers, as a user's shell has them."""
+    return {k: v for k, v in os.environ.items() if k not in SUITE_SETTINGS}
+
+
 @contextlib.contextmanager
-def vllm_server(model: str, name: str, *args: str, start_s: int = 300):
+def vllm_server(model: str, name: "str | None", *args: str, start_s: int = 300,
+                defaults: bool = False):
     """``vllm serve model --served-model-name name *args`` on 127.0.0.1, as a user starts it;
-    yields (base URL, start-up log) once /health answers."""
+    yields (base URL, start-up log) once /health answers. ``defaults``: nothing but the model,
+    the address and ``args`` (served under the model's path), on the default simulated device."""
     port = free_port()
     log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"vllm-serve-{port}.log"), "w+")
     cmd = [os.path.join(os.path.dirname(sys.executable), "vllm"), "serve", model,
-           "--host", "127.0.0.1", "--port", str(port), "--served-model-name", name,
-           "--seed", "0", *args]
+           "--host", "127.0.0.1", "--port", str(port),
+           *(() if defaults else ("--served-model-name", name, "--seed", "0")), *args]
+    env = default_env() if defaults else {**os.environ, "VLLM_ASCEND_SIM_MEMORY_GB": "2"}
     # Dev mode: POST /collective_rpc, through which the tests read the workers' graph counts.
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "VLLM_ASCEND_SIM_MEMORY_GB": "2",
-                                 "VLLM_SERVER_DEV_MODE": "1"})
+                            env={**env, "VLLM_SERVER_DEV_MODE": "1"})
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + start_s
     try:
@@ -417,6 +431,51 @@ def served_rpc(base: str, method: str) -> list:
     r = requests.post(f"{base}/collective_rpc", json={"method": method}, timeout=60)
     assert r.status_code == 200, r.text
     return r.json()["results"]
+
+
+def check_plan(figures: dict, label: str = "", exact_streams: bool = True) -> None:
+    """A rank's start-up plan against what it measured (NPUWorker.startup_figures): the graphs
+    it captured per runtime mode exactly; the streams exactly, or (``exact_streams`` False: MoE
+    models, whose pieces without an MoE layer hold one stream less) at most the plan's bound;
+    weights, activations, graph memory and KV cache within the plan's stated margins."""
+    from vllm_ascend import plan
+
+    planned, measured = figures["planned"], figures["measured"]
+    assert planned["graph_counts"] == measured["graph_counts"], (label, figures)
+    if measured["streams"] is not None:
+        assert (planned["streams"] == measured["streams"] if exact_streams else
+                measured["streams"] <= planned["streams"]), (label, figures)
+    for name in ("weights", "activations", "graphs", "kv_cache"):
+        assert plan.within(name, planned[name], measured[name]), (label, name, figures)
+
+
+def plan_command(model: str, *args: str, env: dict) -> str:
+    """`vllm-ascend plan model *args`, as a user runs it, in ``env``; its output."""
+    run = subprocess.run([os.path.join(os.path.dirname(sys.executable), "vllm-ascend"), "plan",
+                          model, *args], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    return run.stdout
+
+
+def printed_plan(output: str) -> dict:
+    """The figures `vllm-ascend plan` printed: graphs per runtime mode, streams, GiB."""
+    graphs = re.search(r"graphs: (\w+), (\d+) graphs \(([^)]*)\), (\d+) of (\d+) streams", output)
+    kv = re.search(r"KV cache ([\d.]+) GiB \((\d+) blocks\)", output)
+    assert graphs and kv, output
+    counts = {mode: int(n) for n, mode in re.findall(r"(\d+) (PIECEWISE|FULL)", graphs.group(3))}
+    gib = {name: float(v) for name, v in re.findall(
+        r"(weights|activations|graphs|communicators) ([\d.]+) GiB", output)}
+    return {"mode": graphs.group(1), "graph_counts": counts, "streams": int(graphs.group(4)),
+            "kv_cache": float(kv.group(1)), **gib}
+
+
+def check_printed_plan(output: str, figures: dict) -> None:
+    """What the command printed is what the engine planned for itself (to the printed GiB)."""
+    printed, planned = printed_plan(output), figures["planned"]
+    assert printed["graph_counts"] == planned["graph_counts"]
+    assert printed["streams"] == planned["streams"]
+    for name in ("weights", "activations", "graphs", "kv_cache", "communicators"):
+        assert abs(printed[name] - planned[name] / (1 << 30)) <= 0.006, (name, printed, planned)
 
 
 def served_graph_counts(base: str) -> list[dict]:

@@ -7,7 +7,8 @@ graph; every check also counts the graphs that replayed, so an eager fallback fa
 import pytest
 
 from tests.e2e.conftest import (OUR_CLASSES, PROMPTS, QUANTIZED, chip_cost_per_decode_step,
-                                check_logprobs_close, engine, expected_replays, graph_counts,
+                                check_logprobs_close, check_plan, engine, expected_replays,
+                                graph_counts,
                                 hf_greedy, loaded_class, MAX_TOKENS, model_path, replays,
                                 vllm_greedy)
 from vllm_ascend.device.sim.ledger import LAUNCHES, PLUGIN_SYNCS, REPLAYS, UPDATES
@@ -89,6 +90,7 @@ def test_graphs_captured_per_piece_and_size_on_our_backend(graph_llm):
                 "FULL_AND_PIECEWISE": {"PIECEWISE": pieces, "FULL": full}}[mode]
     assert counts["captured"] == expected
     assert counts["streams_in_use"] == sum(counts["captured"].values())
+    check_plan(llm.collective_rpc("startup_figures")[0], f"{family} {mode}")
 
 
 def test_short_prefill_replays_a_graph_where_the_mode_has_one(graph_llm):

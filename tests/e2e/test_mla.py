@@ -9,9 +9,9 @@ with EP=4: test_serve.py. MTP: test_spec_decode.py."""
 import pytest
 from vllm import SamplingParams
 
-from tests.e2e.conftest import (check_logprobs_close, engine, expected_replays, hf_greedy,
-                                MAX_TOKENS, loaded_class, model_path, platform_log, replays,
-                                TOPK, vllm_greedy)
+from tests.e2e.conftest import (check_logprobs_close, check_plan, engine, expected_replays,
+                                hf_greedy, MAX_TOKENS, loaded_class, model_path, platform_log,
+                                replays, TOPK, vllm_greedy)
 
 CAPTURE_SIZES = [1, 2, 4, 8, 16]
 PROMPTS = ["Hi there", "The capital of France is a city that"]
@@ -47,6 +47,7 @@ def test_mla_generates_close_to_hf_with_graph_replays(mla_llm):
     assert llm.llm_engine.vllm_config.compilation_config.cudagraph_mode.name == mode
     with replays(llm) as made:
         outs = vllm_greedy(llm, PROMPTS, MAX_TOKENS)
+    check_plan(llm.collective_rpc("startup_figures")[0], f"{family} {requested}")
     for prompt, out in zip(PROMPTS, outs):
         check_logprobs_close(hf_greedy(model_path(family), prompt, MAX_TOKENS), out,
                              f"{family} {requested} {prompt!r}", dtype=dtype)

@@ -7,8 +7,9 @@ DP=2 x TP=2 (vLLM's lockstep DP engines) in test_serve.py."""
 
 import pytest
 
-from tests.e2e.conftest import (check_logprobs_close, engine, expected_replays, hf_greedy,
-                                MAX_TOKENS, loaded_class, model_path, replays, vllm_greedy)
+from tests.e2e.conftest import (check_logprobs_close, check_plan, engine, expected_replays,
+                                hf_greedy, MAX_TOKENS, loaded_class, model_path, replays,
+                                vllm_greedy)
 
 CAPTURE_SIZES = [1, 2, 4, 8, 16]
 # Prefilled together (10 tokens: PIECEWISE pieces where the mode has them, a FULL graph of a
@@ -36,6 +37,7 @@ def test_moe_family_equals_hf_with_graph_replays(family, mode):
         layers = llm.llm_engine.vllm_config.model_config.hf_config.num_hidden_layers
         with replays(llm) as made:
             outs = vllm_greedy(llm, PROMPTS, MAX_TOKENS)
+        check_plan(llm.collective_rpc("startup_figures")[0], f"{family} {mode}")
     for prompt, out in zip(PROMPTS, outs):
         check_logprobs_close(hf_greedy(model_path(family), prompt, MAX_TOKENS), out,
                              f"{family} {mode} {prompt!r}", dtype=DTYPES[family])

@@ -36,7 +36,7 @@ import time
 
 import pytest
 
-from tests.e2e.conftest import (PROMPTS, QUANTIZED, check_logprobs_close, engine,
+from tests.e2e.conftest import (PROMPTS, QUANTIZED, check_logprobs_close, check_plan, engine,
                                 expected_replays, free_port, graph_counts_per_rank, hf_greedy,
                                 MAX_TOKENS, model_path, platform_log, replays, vllm_greedy)
 
@@ -168,6 +168,9 @@ def test_tp2_x_pp2_across_two_nodes_is_close_to_tp1_with_exact_replays_on_every_
             outs = vllm_greedy(llm, PROMPTS, n) + vllm_greedy(llm, [SHORT], n)
         layers, ranks = rank_layers(llm), placement(llm)
         counts = graph_counts_per_rank(llm)
+        # (a stage's streams: at most the plan's bound, see below)
+        for rank, figures in enumerate(llm.collective_rpc("startup_figures")):
+            check_plan(figures, f"TP=2 x PP=2 rank {rank}", exact_streams=False)
     for prompt, out in zip(PROMPTS + [SHORT], outs):
         check_logprobs_close(hf_greedy(model_path("llama"), prompt, n), out,
                              f"TP=2 x PP=2 {mode} {prompt!r}")
@@ -278,6 +281,11 @@ def test_each_graph_holds_a_stream_per_communication_group_it_captured(tp2_ep_ll
     for rank, counts in enumerate(graph_counts_per_rank(tp2_ep_llm)):
         graphs = sum(counts["captured"].values())
         assert graphs > 0 and counts["streams_in_use"] == 2 * graphs, (rank, counts)
+
+
+def test_each_rank_holds_what_its_start_up_plan_said(tp2_ep_llm):
+    for rank, figures in enumerate(tp2_ep_llm.collective_rpc("startup_figures")):
+        check_plan(figures, f"TP=2 EP rank {rank}")
 
 
 def test_speculative_decoding_with_pipeline_parallelism_is_refused_at_start_up():

@@ -129,14 +129,14 @@ def test_start_up_log_says_graph_mode_kept_sizes_graphs_streams_and_memory(serve
     for counts in served_graph_counts(base):  # DP engine 0's two workers
         assert sum(counts["captured"].values()) == int(summaries[0][1])
     # Outside torch: each worker's TP, DP and EP communicators, 2 x HCCL_BUFFSIZE (16 MB) each;
-    # all of it, the weights, the activation peak and the KV cache fit the device.
+    # all of it, the weights, the activation peak, the graphs and the KV cache fit the device.
     memory = re.findall(r"vllm-ascend: device sim \(.*\), memory 2\.00 GiB: weights (0\.0\d) GiB, "
-                        r"activation peak ([\d.]+) GiB, outside torch 0\.09 GiB, KV cache \d+ "
-                        r"blocks x 128 tokens \(([\d.]+) GiB\)", log)
+                        r"activation peak ([\d.]+) GiB, graphs ([\d.]+) GiB, outside torch 0\.09 "
+                        r"GiB, KV cache \d+ blocks x 128 tokens \(([\d.]+) GiB\)", log)
     assert len(memory) == 4, log[-3000:]
-    for weights, peak, kv_cache in memory:
-        assert 1.5 < float(kv_cache) and \
-            float(weights) + float(peak) + 3 * 0.03125 + float(kv_cache) <= 2.0, memory
+    for weights, peak, graphs, kv_cache in memory:
+        assert 1.5 < float(kv_cache) and float(weights) + float(peak) + float(graphs) + \
+            3 * 0.03125 + float(kv_cache) <= 2.0, memory
     # Each worker: its 2 of the 8 experts (EP over DP x TP), and vLLM's sequence-parallel MoE
     # (DP x TP with EP): each TP rank brings half of its DP rank's tokens to an EP all-gather.
     moe = re.findall(r"vllm-ascend: MoE layers: top-2 of experts (\d-\d) of 8 on EP rank (\d) of "

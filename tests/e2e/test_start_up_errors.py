@@ -13,9 +13,11 @@ def test_no_memory_left_for_the_kv_cache_names_the_settings_that_fix_it():
         with engine(model_path("llama"), enforce_eager=True, gpu_memory_utilization=0.01):
             pass
     message = str(failure.value)
-    assert "No memory left for the KV cache on the sim device: 0.02 GiB budget" in message
-    assert ("Raise gpu_memory_utilization, set VLLM_ASCEND_SIM_MEMORY_GB higher, or lower "
-            "max_num_batched_tokens") in message
+    # The start-up plan refuses it before the weights load.
+    assert "this engine cannot start on sim device 0 (rank 0)" in message
+    assert "the KV cache would get 0.00 GiB of the 0.02 GiB budget" in message
+    assert ("Fix: raise --gpu-memory-utilization, or lower --max-model-len, or lower "
+            "--max-num-batched-tokens, or set VLLM_ASCEND_SIM_MEMORY_GB higher") in message
 
 
 # Checkpoints with only a config (no weights): the refusal must come from the config, before

@@ -226,6 +226,34 @@ def test_graph_wrapper_refuses_inputs_at_other_addresses_counts_and_releases():
     assert replayed.isnan().all()  # the memory went with the graph
 
 
+def test_a_capture_the_streams_cannot_hold_fails_with_advice(monkeypatch):
+    """Where the plan's stream count is wrong (on a chip, other processes hold streams the
+    worker cannot count), capture's 207008 says how to capture fewer graphs."""
+    from vllm.compilation.monitor import set_cudagraph_capturing_enabled
+    from vllm.config import CUDAGraphMode, VllmConfig
+    from vllm.forward_context import BatchDescriptor, set_forward_context
+
+    from vllm_ascend import device
+    from vllm_ascend.compilation.acl_graph import (GRAPH_STATE, ACLGraphWrapper,
+                                                   GraphCaptureFailed, GraphState)
+
+    config = VllmConfig()
+    config.compilation_config.static_forward_context[GRAPH_STATE] = GraphState()
+    monkeypatch.setenv("VLLM_ASCEND_SIM_STREAMS", str(device.current.streams_in_use() + 1))
+    wrapper = ACLGraphWrapper(lambda x: x * 2, config, CUDAGraphMode.FULL)
+    set_cudagraph_capturing_enabled(True)
+    for tokens in (2, 4):  # the second graph finds no stream
+        with set_forward_context(None, config, cudagraph_runtime_mode=CUDAGraphMode.FULL,
+                                 batch_descriptor=BatchDescriptor(num_tokens=tokens)):
+            if tokens == 2:
+                wrapper(torch.randn(tokens, 8))
+                continue
+            with pytest.raises(GraphCaptureFailed, match="(?s)207008.*Capture fewer graphs: "
+                                                         "lower the capture sizes"):
+                wrapper(torch.randn(tokens, 8))
+    wrapper.clear_graphs()
+
+
 def test_a_wrapper_without_the_runners_graph_state_is_a_clear_error():
     from vllm.config import CUDAGraphMode, VllmConfig
 

@@ -120,9 +120,10 @@ def test_a_worker_whose_communicators_leave_too_little_free_memory_fails_at_star
     # 1 GiB x 0.9 must be free when the worker starts; HCCL's 200 MiB leave 0.80 GiB.
     monkeypatch.setenv("VLLM_ASCEND_SIM_MEMORY_GB", "1")
     snapshot = MemorySnapshot(device=torch.device("cpu"))
-    with pytest.raises(ValueError, match=r"Free memory on device .* \(0\.8\d*/1\.0 GiB\) on startup "
-                       r"is less than desired GPU memory utilization \(0\.9, 0\.9 GiB\).* 0\.20 "
-                       r"GiB is held outside torch's allocator .* lower HCCL_BUFFSIZE"):
-        request_device_memory(snapshot, CacheConfig(gpu_memory_utilization=0.9))
-    assert request_device_memory(snapshot, CacheConfig(gpu_memory_utilization=0.75)) == \
+    with pytest.raises(ValueError, match=r"Free memory on NPU 0 \(0\.80/1\.00 GiB\) at start-up "
+                       r"is less than gpu_memory_utilization 0\.9 asks for \(0\.90 GiB\).* 0\.20 "
+                       r"GiB is held outside torch's allocator.* other processes on this NPU "
+                       r"\(another engine\?\).* lower HCCL_BUFFSIZE"):
+        request_device_memory(snapshot, CacheConfig(gpu_memory_utilization=0.9), 0)
+    assert request_device_memory(snapshot, CacheConfig(gpu_memory_utilization=0.75), 0) == \
         pytest.approx(0.75 * (1 << 30), abs=1)

@@ -76,11 +76,20 @@ class GraphState:
                                  "replayed": dict(self.drafter_replayed)}
         return counts
 
-    def release(self) -> None:
+    def clear(self) -> None:
+        """Drop every captured graph (and the streams they hold) and the counts; the wrappers
+        stay, to capture again."""
         for wrapper in list(self.wrappers):
             wrapper.clear_graphs()
-        self.wrappers.clear()
         self.fia.clear()
+        for counter in (self.captured, self.replayed, self.drafter_captured,
+                        self.drafter_replayed):
+            counter.clear()
+        self.recent_steps.clear()
+
+    def release(self) -> None:
+        self.clear()
+        self.wrappers.clear()
         self.pool = None
 
 

@@ -61,6 +61,11 @@ class Backend:
     def total_memory(self) -> int:
         return self.torch_npu.npu.mem_get_info()[1]
 
+    def device_memory_for_plan(self, index: int = 0) -> int:
+        """Device ``index``'s memory, asked from a process that runs no worker (the plan
+        command): torch_npu's device properties, which open a context on the device."""
+        return self.torch_npu.npu.get_device_properties(index).total_memory
+
     def memory_in_use(self) -> int:
         """Bytes of device memory this process holds now."""
         return self.torch_npu.npu.memory_allocated()
@@ -76,6 +81,20 @@ class Backend:
     def pin_memory_available(self) -> bool:
         """Whether host memory can be page-locked for copies to this device."""
         return True
+
+    def communicator_bytes(self, device_total: int) -> int:
+        """Device memory one communicator holds outside torch's allocator: HCCL's send and
+        receive buffers, HCCL_BUFFSIZE MB each (CANN's default 200)."""
+        return 2 * int(os.environ.get("HCCL_BUFFSIZE", "200")) << 20
+
+    def graph_bytes_per_layer(self) -> int:
+        """Device memory a captured graph holds of its own for each decoder layer it covers
+        (its task records and their tiling data), beyond the pool's tensors: an estimate for
+        the start-up plan. On a chip, from upstream vllm-ascend's measured capture memory
+        (Qwen3-0.6B with FULL graphs of 7 sizes at TP=4: 0.2-0.3 GiB, 28 layers a graph;
+        DeepSeek-V2-Lite W8A8 in FULL_AND_PIECEWISE: 0.68 GiB; their e2e test_graph_mode.py
+        baselines): 1.5 MiB. The engine measures the real figure before sizing the KV cache."""
+        return 3 << 19
 
     def communicator_cls(self) -> str | None:
         """vLLM's device communicator for this device, or None for the platform's default."""
@@ -119,6 +138,9 @@ class SimBackend(Backend):
     def total_memory(self) -> int:
         return self.torch_npu.npu.total_memory()
 
+    def device_memory_for_plan(self, index: int = 0) -> int:
+        return self.torch_npu.npu.configured_memory()  # no device to open
+
     def hold_device(self) -> None:
         self.torch_npu.npu.hold_device()
 
@@ -141,6 +163,17 @@ class SimBackend(Backend):
 
     def memory_setting(self) -> str | None:
         return "VLLM_ASCEND_SIM_MEMORY_GB"
+
+    def communicator_bytes(self, device_total: int) -> int:
+        from vllm_ascend.device.sim import memory
+
+        return memory.hccl_buffer_bytes(device_total)
+
+    def graph_bytes_per_layer(self) -> int:
+        # The simulator's record of a graph (its prepared calls and their tensors' metadata,
+        # which live on the host heap the simulator counts as the device's): about 600 bytes a
+        # node, some 15 nodes a layer (measured on SmolLM2 and the tiny test models).
+        return 10 << 10
 
     def streams_in_use(self) -> int | None:
         return self.torch_npu.npu.streams_in_use()

@@ -5,9 +5,10 @@ import time
 
 import numpy as np
 import torch
+from vllm.compilation.counter import compilation_counter
 from vllm.compilation.cuda_graph import CUDAGraphWrapper
 from vllm.compilation.monitor import set_cudagraph_capturing_enabled
-from vllm.config import CUDAGraphMode
+from vllm.config import CUDAGraphMode, set_current_vllm_config
 from vllm.distributed import get_pp_group, get_tp_group
 from vllm.forward_context import get_forward_context
 from vllm.utils.platform_utils import is_pin_memory_available
@@ -26,6 +27,7 @@ from vllm_ascend.ops.qkv import StepRope
 from vllm_ascend.worker.padding import StepPadding, decide_padding
 
 logger = get_logger(__name__)
+GiB = float(1 << 30)
 
 
 def point_torch_cuda_at_npu() -> None:
@@ -197,6 +199,48 @@ class NPUModelRunner(GPUModelRunner):
             used / (1 << 30), streams if streams is not None else f"{graphs} (one per graph)",
             backend.stream_budget())
         return used
+
+    def profile_cudagraph_memory(self) -> int:
+        """What the graphs will hold, measured before the KV cache takes the device, as vLLM's
+        estimate does (its version captures inside CUDA's graph_capture() and swaps only its
+        own wrappers' pools): the two largest captures of each mode, with a minimal KV cache,
+        in a pool of their own. The first capture of a mode gives the pool's size (the largest
+        capture's live tensors; smaller ones reuse them, in one pool for all modes), the
+        second what each further capture adds; graphs and counts are dropped afterwards."""
+        with set_current_vllm_config(self.vllm_config):
+            self._init_minimal_kv_cache_for_profiling()
+        state, backend = self.graph_state, device.current
+        pool, state.pool = state.pool, torch_npu.npu.graph_pool_handle()
+        captured = compilation_counter.num_cudagraph_captured
+        first, further = {}, 0
+        try:
+            set_cudagraph_capturing_enabled(True)
+            with self._freeze_gc():
+                for mode, descs in self.cudagraph_dispatcher.get_capture_descs():
+                    samples = []
+                    for desc in descs[:2]:
+                        before = backend.memory_in_use()
+                        self._warmup_and_capture(desc, cudagraph_runtime_mode=mode)
+                        torch.accelerator.synchronize()
+                        samples.append(max(backend.memory_in_use() - before, 0))
+                    first[mode.name] = samples[0]
+                    further += (samples[-1] if len(samples) > 1 else 0) * (len(descs) - 1)
+        finally:
+            set_cudagraph_capturing_enabled(False)
+            state.clear()
+            state.pool = pool
+            compilation_counter.num_cudagraph_captured = captured
+            self.maybe_remove_all_loras(self.lora_config)
+            for keys in self.cudagraph_dispatcher.cudagraph_keys.values():
+                keys.clear()
+            self.cudagraph_dispatcher.keys_initialized = False
+            self._cleanup_profiling_kv_cache()
+        estimate = max(first.values(), default=0) + further
+        logger.info("vllm-ascend: graph memory estimate %.3f GiB (the largest capture of each "
+                    "mode: %s; the further captures %.3f GiB)", estimate / GiB,
+                    ", ".join(f"{m} {b / GiB:.3f} GiB" for m, b in first.items()),
+                    further / GiB)
+        return estimate
 
     def _rank_label(self) -> str:
         """Which rank this summary is for, when the model is split across ranks."""

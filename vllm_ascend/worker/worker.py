@@ -7,6 +7,8 @@ import os
 import weakref
 
 import torch
+from vllm import envs
+from vllm.config import CUDAGraphMode
 from vllm_ascend.logger import get_logger
 from vllm.platforms import current_platform
 from vllm.platforms.interface import set_assigned_physical_gpu_ids
@@ -16,7 +18,7 @@ from vllm.v1.worker.gpu_worker import Worker, init_worker_distributed_environmen
 from vllm.v1.worker.utils import request_memory
 from vllm.v1.worker.worker_base import CompilationTimes
 
-from vllm_ascend import device, patch
+from vllm_ascend import device, patch, plan
 from vllm_ascend.device import torch_npu
 from vllm_ascend.device_allocator import sleep
 from vllm_ascend.device_allocator.vmm import NPUMemAllocator
@@ -27,19 +29,30 @@ logger = get_logger(__name__)
 GiB = float(1 << 30)
 
 
-def request_device_memory(snapshot: MemorySnapshot, cache_config) -> int:
-    """total x gpu_memory_utilization, which must be free at start-up (upstream's check), with
-    what holds the rest named."""
+def request_device_memory(snapshot: MemorySnapshot, cache_config, npu: int) -> int:
+    """total x gpu_memory_utilization, which must be free at start-up (upstream's check), said
+    of NPU ``npu`` (vLLM names the torch device, "cpu" on the simulator), with what holds the
+    rest named."""
     try:
         return request_memory(snapshot, cache_config)
-    except ValueError as e:
+    except ValueError:
+        util = cache_config.gpu_memory_utilization
         raise ValueError(
-            f"{e} Of the device's memory, {snapshot.non_torch_memory / GiB:.2f} GiB is held "
-            "outside torch's allocator (other processes, the runtime, and 2 x HCCL_BUFFSIZE MB "
-            "per communicator of this worker: lower HCCL_BUFFSIZE to shrink those).") from None
+            f"Free memory on NPU {npu} ({snapshot.free_memory / GiB:.2f}/"
+            f"{snapshot.total_memory / GiB:.2f} GiB) at start-up is less than "
+            f"gpu_memory_utilization {util} asks for ({snapshot.total_memory * util / GiB:.2f} "
+            f"GiB). Of the device's memory, {snapshot.non_torch_memory / GiB:.2f} GiB is held "
+            "outside torch's allocator: by other processes on this NPU (another engine?), the "
+            "runtime, and 2 x HCCL_BUFFSIZE MB per communicator of this worker. Lower "
+            "--gpu-memory-utilization, stop what else runs on the NPU, or lower HCCL_BUFFSIZE."
+        ) from None
 
 
 class NPUWorker(Worker):
+    graph_memory_estimate = 0  # bytes kept from the KV cache for the graphs (profiled)
+    graph_memory = 0  # bytes the capture took
+    kv_cache_bytes = 0
+
     def init_device(self):
         # Upstream raises for any device type but cuda; the device binding and the memory
         # snapshot are its cuda branch's.
@@ -61,8 +74,25 @@ class NPUWorker(Worker):
         gc.collect()
         torch.accelerator.empty_cache()
         self.init_snapshot = MemorySnapshot(device=self.device)
-        self.requested_memory = request_device_memory(self.init_snapshot, self.cache_config)
+        self._check_startup_plan(backend)
+        self.requested_memory = request_device_memory(
+            self.init_snapshot, self.cache_config,
+            current_platform.device_id_to_physical_device_id(self.local_rank))
         self._init_workspace_and_model_runner()
+
+    def _check_startup_plan(self, backend) -> None:
+        """The rank's plan (vllm_ascend/plan.py) from the config, before any weight loads:
+        logged, and refused with the fix when it cannot fit."""
+        self.startup_plan = plan.startup_plan(self.vllm_config, backend,
+                                              self.init_snapshot.total_memory)
+        for line in self.startup_plan.lines():
+            logger.info("vllm-ascend: plan of rank %d: %s", self.rank, line)
+        problems = self.startup_plan.problems()
+        if problems:
+            self._device_hold()  # another engine in this process may take the device
+            raise plan.StartupPlanError(
+                f"vllm-ascend: this engine cannot start on {backend.name} device "
+                f"{self.local_rank} (rank {self.rank}): " + "; ".join(problems) + ".")
 
     def _visible_device_index(self) -> int:
         """This worker's device, as vLLM binds it on a platform without CUDA's
@@ -153,6 +183,8 @@ class NPUWorker(Worker):
         # What the profile found outside torch's allocator (communication buffers, the
         # runtime's), for the start-up log line.
         self._outside_torch = MemorySnapshot(device=self.device).non_torch_memory
+        if not self.cache_config.kv_cache_memory_bytes:
+            available -= self._reserve_graph_memory()
         if available <= 0 and not self.cache_config.kv_cache_memory_bytes:
             setting = device.current.memory_setting()
             hint = f", set {setting} higher" if setting else ""
@@ -168,17 +200,69 @@ class NPUWorker(Worker):
                 f"Raise gpu_memory_utilization{hint}, or lower max_num_batched_tokens.")
         return available
 
+    def _reserve_graph_memory(self) -> int:
+        """The graphs' memory, kept from the KV cache so that capture finds it (vLLM subtracts
+        its estimate on CUDA and XPU only; a chip ran out of memory during capture, ACL error
+        507015, where it was not). vLLM's switch applies: VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS
+        =0 reserves nothing."""
+        if self.compilation_config.cudagraph_mode == CUDAGraphMode.NONE:
+            return 0
+        self.graph_memory_estimate = self.model_runner.profile_cudagraph_memory()
+        if not envs.VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS:
+            logger.warning("vllm-ascend: graph memory is not kept from the KV cache "
+                           "(VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0): capture may run out "
+                           "of device memory")
+            return 0
+        return self.graph_memory_estimate
+
     def initialize_from_config(self, kv_cache_config) -> None:
         super().initialize_from_config(kv_cache_config)
+        self.kv_cache_bytes = sum(t.size for t in kv_cache_config.kv_cache_tensors)
         logger.info(
             "vllm-ascend: device %s (%s), memory %.2f GiB: weights %.2f GiB, activation peak "
-            "%.2f GiB, outside torch %.2f GiB, KV cache %d blocks x %d tokens (%.2f GiB)",
-            device.current.name, device.current.device_name(),
+            "%.2f GiB, graphs %.2f GiB, outside torch %.2f GiB, KV cache %d blocks x %d tokens "
+            "(%.2f GiB)", device.current.name, device.current.device_name(),
             self.init_snapshot.total_memory / GiB, self.model_runner.model_memory_usage / GiB,
             getattr(self, "peak_activation_memory", 0) / GiB,
+            self.graph_memory_estimate / GiB,
             getattr(self, "_outside_torch", self.init_snapshot.non_torch_memory) / GiB,
-            kv_cache_config.num_blocks, self.cache_config.block_size,
-            sum(t.size for t in kv_cache_config.kv_cache_tensors) / GiB)
+            kv_cache_config.num_blocks, self.cache_config.block_size, self.kv_cache_bytes / GiB)
+
+    def startup_figures(self) -> dict:
+        """The rank's plan and what it measured (bytes), for ``collective_rpc``: weights,
+        activations (the profile run's memory beyond the weights), graphs (captured), KV cache,
+        and the graphs captured per runtime mode."""
+        memory = self.startup_plan.memory
+        planned = {"weights": memory.weights, "activations": memory.activations,
+                   "graphs": memory.graphs, "kv_cache": memory.kv_cache,
+                   "communicators": memory.communicators,
+                   "graph_counts": dict(self.startup_plan.graphs.graphs),
+                   "streams": self.startup_plan.graphs.streams}
+        weights = self.model_runner.model_memory_usage
+        profiled = hasattr(self, "total_consumed")  # (not with kv_cache_memory_bytes)
+        measured = {"weights": weights,
+                    "activations": (self.total_consumed - weights + self.peak_activation_memory
+                                    if profiled else None),
+                    "graphs": self.graph_memory, "kv_cache": self.kv_cache_bytes,
+                    "communicators": self.init_snapshot.non_torch_memory,
+                    "graph_memory_estimate": self.graph_memory_estimate,
+                    "graph_counts": dict(self.model_runner.graph_state.captured),
+                    "streams": device.current.streams_in_use()}
+        return {"planned": planned, "measured": measured}
+
+    def _log_plan_against_measurement(self) -> None:
+        if self.cache_config.kv_cache_memory_bytes:
+            return  # the KV cache was sized by hand, not profiled
+        figures = self.startup_figures()
+        parts = []
+        for name in ("weights", "activations", "graphs", "kv_cache"):
+            planned, measured = figures["planned"][name], figures["measured"][name]
+            if planned is None:
+                continue
+            off = "" if plan.within(name, planned, measured) else " (outside the plan's margin)"
+            parts.append(f"{name.replace('_', ' ')} {planned / GiB:.2f}/{measured / GiB:.2f} "
+                         f"GiB{off}")
+        logger.info("vllm-ascend: plan/measured of rank %d: %s", self.rank, ", ".join(parts))
 
     def graph_counts(self) -> dict:
         """This worker's ACL graphs, captured and replayed per runtime mode, and the device's
@@ -205,7 +289,15 @@ class NPUWorker(Worker):
     def compile_or_warm_up_model(self) -> CompilationTimes:
         # Upstream's version warms CUDA kernels (FlashInfer, DeepGEMM) and probes CUDA memory.
         if not self.model_config.enforce_eager:
-            self.model_runner.capture_model()
+            try:
+                self.graph_memory = self.model_runner.capture_model()
+            except BaseException:
+                # vLLM never shuts down an engine whose start failed: an engine core in the
+                # caller's process would keep the graphs captured so far (and their streams),
+                # its model and its device until the traceback is collected.
+                self.shutdown()
+                raise
+        self._log_plan_against_measurement()
         set_random_seed(self.model_config.seed)
         return CompilationTimes(language_model=self.compilation_config.compilation_time,
                                 encoder=self.compilation_config.encoder_compilation_time)
