@@ -104,7 +104,9 @@ if __name__ == "__main__":
 def test_a_plan_that_cannot_start_is_refused_before_weights_load(family, env, settings, fix):
     """As a user starts it, in a process of its own: with TP > 1 the refusal is raised in a
     worker process, and vLLM's front end reports only that a worker failed, so the message
-    the user reads is the worker's, in the output."""
+    the user reads is the worker's, in the output. The bound is a minute: here three processes
+    import vLLM one after the other before a worker knows its device (the script's own, 14 s;
+    the engine core; the workers), 29-55 s in all on this 2-core machine."""
     start = time.monotonic()
     run = subprocess.run([sys.executable, "-c", START_SCRIPT, model_path(family),
                           json.dumps(settings)], env={**os.environ, **env},

@@ -65,6 +65,7 @@ class NPUWorker(Worker):
         backend.hold_device()
         # Released at shutdown, or when a worker whose start failed (never shut down) is collected.
         self._device_hold = weakref.finalize(self, backend.release_device)
+        self._check_startup_plan(backend)  # before the communicators: a refusal allocates none
         init_worker_distributed_environment(self.vllm_config, self.rank,
                                             self.distributed_init_method, self.local_rank,
                                             current_platform.dist_backend)
@@ -74,7 +75,6 @@ class NPUWorker(Worker):
         gc.collect()
         torch.accelerator.empty_cache()
         self.init_snapshot = MemorySnapshot(device=self.device)
-        self._check_startup_plan(backend)
         self.requested_memory = request_device_memory(
             self.init_snapshot, self.cache_config,
             current_platform.device_id_to_physical_device_id(self.local_rank))
@@ -84,7 +84,7 @@ class NPUWorker(Worker):
         """The rank's plan (vllm_ascend/plan.py) from the config, before any weight loads:
         logged, and refused with the fix when it cannot fit."""
         self.startup_plan = plan.startup_plan(self.vllm_config, backend,
-                                              self.init_snapshot.total_memory)
+                                              backend.total_memory())
         for line in self.startup_plan.lines():
             logger.info("vllm-ascend: plan of rank %d: %s", self.rank, line)
         problems = self.startup_plan.problems()
