@@ -183,8 +183,8 @@ class NPUWorker(Worker):
         # What the profile found outside torch's allocator (communication buffers, the
         # runtime's), for the start-up log line.
         self._outside_torch = MemorySnapshot(device=self.device).non_torch_memory
-        if not self.cache_config.kv_cache_memory_bytes:
-            available -= self._reserve_graph_memory()
+        graphs = 0 if self.cache_config.kv_cache_memory_bytes else self._reserve_graph_memory()
+        available -= graphs
         if available <= 0 and not self.cache_config.kv_cache_memory_bytes:
             setting = device.current.memory_setting()
             hint = f", set {setting} higher" if setting else ""
@@ -195,9 +195,11 @@ class NPUWorker(Worker):
                 f"{self.cache_config.gpu_memory_utilization}) minus "
                 f"{self.total_consumed / GiB:.2f} GiB the engine took from the device's free "
                 f"memory by the end of its profile run (weights "
-                f"{self.model_runner.model_memory_usage / GiB:.2f} GiB) and "
-                f"{self.peak_activation_memory / GiB:.2f} GiB of activation peak. "
-                f"Raise gpu_memory_utilization{hint}, or lower max_num_batched_tokens.")
+                f"{self.model_runner.model_memory_usage / GiB:.2f} GiB), "
+                f"{self.peak_activation_memory / GiB:.2f} GiB of activation peak and "
+                f"{graphs / GiB:.2f} GiB kept for the graphs. "
+                f"Raise gpu_memory_utilization{hint}, or lower max_num_batched_tokens, or "
+                "capture fewer graphs.")
         return available
 
     def _reserve_graph_memory(self) -> int:
