@@ -81,6 +81,21 @@ def test_paged_batch_matches_reference(dtype, q_lens, kv_lens):
     assert out.dtype == dtype and lse.shape == (0,) and lse.dtype == torch.float32
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["own-blocks", "shared-blocks"])
+def test_a_decode_token_attends_the_same_bits_alone_or_in_any_batch(shared):
+    # Graph and eager steps batch a request with different neighbours (padding requests, other
+    # requests): its output must not change by a bit. With every row on the same blocks (the
+    # dummy requests of a capture) the simulator gathers them once; that must change nothing.
+    case = Case([1, 1, 1, 1], [37, 37, 37, 37] if shared else [37, 20, 37, 5])
+    if shared:
+        case.table[:] = case.table[0]
+    batch, _ = case.run()
+    for r in range(4):
+        alone, _ = case.run(query=case.q[r:r + 1], block_table=case.table[r:r + 1].contiguous(),
+                            actual_seq_lengths=[1], actual_seq_lengths_kv=[case.kv_lens[r]])
+        assert torch.equal(alone, batch[r:r + 1]), r
+
+
 def test_out_overload_writes_into_the_given_tensors_with_a_max_workspace():
     case = Case([2, 1], [6, 9])
     ws = torch_npu._npu_fused_infer_attention_score_get_max_workspace(**case.kwargs())

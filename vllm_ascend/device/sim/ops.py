@@ -294,16 +294,33 @@ def _attend_single_tokens(query, key, value, block_table, batch_rows, token_rows
     q = query if everything else query[torch.tensor(token_rows, device=dev)]
     table = block_table if len(batch_rows) == block_table.shape[0] else \
         block_table[torch.tensor(batch_rows, device=dev)]
-    kp, vp = _paged_kv(key, value, table, max(kv_lens), block_size, nkv, d)
-    # Grouped-query attention in fp32, one matmul per head group (faster on a CPU than bf16
-    # SDPA at decode shapes; the chip's FIA also accumulates the softmax in fp32).
-    t, length = q.shape[0], kp.shape[1]
-    scores = torch.matmul(q.view(t, nkv, num_heads // nkv, d).float(),
-                          kp.permute(0, 2, 3, 1).float()) * scale  # [T, nkv, g, L]
+    t, length = q.shape[0], max(kv_lens)
+    nblk = max(1, -(-length // block_size))
+    used = table[:, :nblk]
+    if t > 1 and bool((used == used[:1]).all()):
+        # Every request reads the same blocks (the dummy and padding requests of a capture, all
+        # on the null block): gather them once and give each request a stride-0 view of them.
+        # The per-request products below are the same, bit for bit; only the copies go (the
+        # mixed captures of vLLM's default sizes read 256 requests x up to 512 positions).
+        kp, vp = _paged_kv(key, value, used[:1], length, block_size, nkv, d)
+        kf, vf = (x.float().expand(t, length, nkv, d) for x in (kp, vp))
+    else:
+        kp, vp = _paged_kv(key, value, used, length, block_size, nkv, d)
+        kf, vf = kp.float(), vp.float()
+    # Grouped-query attention in fp32, a batch of [g, D] x [D, L] products per KV head (faster on
+    # a CPU than bf16 SDPA at decode shapes, and the same for a request whatever else the batch
+    # holds; the chip's FIA also accumulates the softmax in fp32).
+    qf = q.view(t, nkv, num_heads // nkv, d).float()
+    masked = None
     if min(kv_lens) != length:
-        valid = torch.arange(length, device=dev) < torch.tensor(kv_lens, device=dev)[:, None]
-        scores.masked_fill_(~valid[:, None, None], float("-inf"))
-    o = torch.matmul(scores.softmax(-1), vp.transpose(1, 2).float())  # [T, nkv, g, D]
+        masked = ~(torch.arange(length, device=dev) < torch.tensor(kv_lens, device=dev)[:, None])
+    heads = []
+    for h in range(nkv):
+        scores = torch.bmm(qf[:, h], kf[:, :, h].transpose(1, 2)) * scale  # [T, g, L]
+        if masked is not None:
+            scores.masked_fill_(masked[:, None], float("-inf"))
+        heads.append(torch.bmm(scores.softmax(-1), vf[:, :, h]))  # [T, g, D]
+    o = torch.stack(heads, 1)  # [T, nkv, g, D]
     if everything:
         out.copy_(o.view(t, num_heads, d))
     else:
