@@ -15,6 +15,9 @@ from tests.e2e.conftest import (check_logprobs_close, check_plan, check_printed_
                                 default_env, hf_greedy, model_path, plan_command,
                                 served_completion, served_graph_counts, served_rpc, vllm_server)
 
+# The full tier only: vLLM's defaults capture up to 1616 graphs an engine: 2-5 min each here.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
 PROMPT = "The capital of France is"
 TOKENS = 16
 SMOLLM2 = model_path("smollm2")
@@ -38,6 +41,7 @@ def test_vllm_serve_with_defaults_answers_as_hf_with_graphs_replayed_as_planned(
 
 LLM_SCRIPT = """
 import json, sys
+
 if __name__ == "__main__":
     from vllm import LLM, SamplingParams
     llm = LLM(sys.argv[1], compilation_config={"cudagraph_mode": sys.argv[2]})

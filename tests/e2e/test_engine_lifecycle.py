@@ -12,8 +12,13 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import ROOT
 from tests.e2e.conftest import check_logprobs_close, hf_greedy, model_path
+
+# The full tier only: a user's script in its own process, three engines.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(700)]
 
 STREAMS = 12  # exactly what the second engine needs: 2 layers -> 3 pieces x 3 sizes + 3 FULL
 PROMPT = "The capital of France is"
@@ -23,6 +28,7 @@ SCRIPT = """
 import gc, json, os
 from vllm import LLM, SamplingParams, envs
 from vllm_ascend import device
+
 
 
 def run(mode, multiprocess):

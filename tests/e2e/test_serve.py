@@ -24,6 +24,10 @@ from tests.e2e.conftest import (TOPK, check_logprobs_close, hf_greedy, model_pat
                                 served_completion, served_graph_counts, served_rpc, token_id,
                                 vllm_server)
 
+# The full tier only: a served DP=2 x TP=2 engine (an API server, two engine cores, four
+# workers).
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
 FAMILY = "deepseek_v2_moe"
 DTYPE = "float16"
 NAME = "tiny-deepseek-v2-moe"

@@ -17,6 +17,9 @@ import pytest
 from tests.e2e.conftest import (check_plan, check_printed_plan, engine, hf_greedy,
                                 check_logprobs_close, model_path, plan_command, vllm_greedy)
 
+# The full tier only: a process per refusal, each importing vLLM; TP=2 plans.
+pytestmark = pytest.mark.slow
+
 SUITE_ENGINE = ["--dtype", "bfloat16", "--max-model-len", "512", "--max-num-batched-tokens",
                 "512", "--max-num-seqs", "16", "--gpu-memory-utilization", "0.3"]
 
@@ -94,6 +97,7 @@ REFUSED = [
 
 START_SCRIPT = """
 import json, sys
+
 if __name__ == "__main__":
     from vllm import LLM
     LLM(sys.argv[1], **json.loads(sys.argv[2]))
