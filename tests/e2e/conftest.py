@@ -4,6 +4,7 @@ import collections
 import contextlib
 import functools
 import gc
+import json
 import os
 import pathlib
 import re
@@ -262,10 +263,31 @@ def _hf_model(path):
     return tok, model
 
 
+class Reference(tuple):
+    """(tokens, [top-k {token: logprob}]) of HF transformers' greedy generation, which can also
+    score another continuation of the same prompt (``rescore``), so that a sequence that parts
+    from it at a near tie is still compared at every position."""
+
+    def __new__(cls, tokens, steps, path, prompt_ids):
+        self = super().__new__(cls, (tokens, steps))
+        self.path, self.prompt_ids = path, prompt_ids
+        return self
+
+    def rescore(self, tokens) -> list[dict]:
+        return hf_scores(self.path, self.prompt_ids, tuple(tokens))
+
+
+def _top(lp, token=None) -> dict:
+    top = lp.topk(TOPK)
+    step = dict(zip(top.indices.tolist(), top.values.tolist()))
+    if token is not None:
+        step[token] = lp[token].item()
+    return step
+
+
 @functools.lru_cache(maxsize=None)
-def hf_greedy(path: str, prompt: "str | tuple[int, ...]", max_tokens: int):
-    """(tokens, [top-k {token: logprob}]) of HF transformers' greedy generation (fp32) from a
-    prompt string or its token ids."""
+def hf_greedy(path: str, prompt: "str | tuple[int, ...]", max_tokens: int) -> Reference:
+    """HF transformers' greedy generation (fp32) from a prompt string or its token ids."""
     import torch
 
     tok, model = _hf_model(path)
@@ -279,27 +301,59 @@ def hf_greedy(path: str, prompt: "str | tuple[int, ...]", max_tokens: int):
                              do_sample=False, output_logits=True, return_dict_in_generate=True,
                              pad_token_id=tok.pad_token_id or 0)
     tokens = out.sequences[0, ids.shape[1]:].tolist()
-    steps = []
-    for logits in out.logits:
-        lp = torch.log_softmax(logits[0].float(), -1)
-        top = lp.topk(TOPK)
-        steps.append(dict(zip(top.indices.tolist(), top.values.tolist())))
-    return tokens, steps
+    steps = [_top(torch.log_softmax(logits[0].float(), -1)) for logits in out.logits]
+    return Reference(tokens, steps, path, tuple(ids[0].tolist()))
 
 
-# The most a chosen token's logprob may differ from the reference's, per dtype, where the two
-# sequences still agree. Measured against HF transformers in fp32 (eager and FULL_AND_PIECEWISE
-# engines, which agreed to the bit; 7 prompts, 16 tokens, 32 for SmolLM2): bfloat16 at most 0.158
-# (SmolLM2; the tiny models 0.027-0.037), float16 at most 0.016 (SmolLM2; the tiny models 0.005).
-# The tolerances are about twice and three times that, below the drift of a real bug (stale KV
-# lengths shift logprobs by 0.5 and more).
-LOGPROB_TOLERANCE = {"bfloat16": 0.3, "float16": 0.05}
-# W8A8 exports against their fp32 reference (the same quantization, w8a8_reference.py): an
-# activation that rounds to the next int8 level in one and not the other moves the output by a
-# quantization step, more than float rounding does. Measured at most 0.12 (the tiny Qwen3,
-# static W8A8, bfloat16; 0.05-0.09 for the others, float16 and bfloat16, 7 prompts); dropping
-# quant_bias parts the sequences at the first token.
-LOGPROB_TOLERANCE_W8A8 = 0.25
+@functools.lru_cache(maxsize=None)
+def hf_scores(path: str, prompt_ids: tuple[int, ...], tokens: tuple[int, ...]) -> list[dict]:
+    """HF's (fp32) top-k logprobs at each position of ``tokens`` generated after the prompt,
+    given the tokens before it, with the given token's own logprob."""
+    import torch
+
+    _, model = _hf_model(path)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt_ids + tokens])).logits[0, len(prompt_ids) - 1:-1]
+    lps = torch.log_softmax(logits.float(), -1)
+    return [_top(lp, t) for lp, t in zip(lps, tokens)]
+
+
+def model_kind(path: str) -> str:
+    """Which tolerance a model's comparison uses: SmolLM2's real weights, a W8A8 export, or a
+    tiny random-weight model."""
+    if (pathlib.Path(path) / "quant_model_description.json").exists():
+        return "w8a8"
+    return "smollm2" if "SmolLM2" in str(path) else "tiny"
+
+
+# The most a chosen token's logprob may differ from HF transformers' fp32 reference, per kind of
+# model and dtype: about twice the worst measured over the whole suite (every position of every
+# comparison, VLLM_ASCEND_DRIFT_LOG; docs/testing.md). A sequence may part from the reference
+# only at a near tie: where the reference's top two are closer than the same figure (the widest
+# parting measured is beside each figure).
+LOGPROB_TOLERANCE = {
+    ("tiny", "bfloat16"): 0.4,  # worst 0.207 of 1573 positions; partings at gaps up to 0.33
+    ("tiny", "float16"): 0.15,  # worst 0.067 of 688; partings at gaps up to 0.018
+    ("smollm2", "bfloat16"): 0.3,  # worst 0.158 (32 tokens, 7 prompts); no parting
+    ("smollm2", "float16"): 0.05,  # worst 0.016 (the same prompts)
+    # W8A8 exports against their fp32 reference (the same quantization, w8a8_reference.py): an
+    # activation that rounds to the next int8 level in one and not the other moves the output
+    # by a quantization step, and the tiny models' peaked LM head (scripts/models.py) multiplies
+    # that in the logits: the loosest figures here.
+    ("w8a8", "bfloat16"): 2.5,  # worst 1.214 of 544; partings at gaps up to 1.62
+    ("w8a8", "float16"): 1.5,  # worst 0.730 of 256; partings at gaps up to 0.66
+}
+EXACT = 1e-6  # the same kernels in eager and graph mode: the same bits, up to printing
+
+
+def _record_drift(kind, dtype, label, drift, gap):
+    """With VLLM_ASCEND_DRIFT_LOG set, each compared position is appended to that file (one JSON
+    object a line): what the tolerances are sized from."""
+    path = os.environ.get("VLLM_ASCEND_DRIFT_LOG")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"kind": kind, "dtype": dtype, "label": label, "drift": drift,
+                                "parted_at_gap": gap}) + "\n")
 
 
 @functools.lru_cache(maxsize=None)
@@ -314,29 +368,47 @@ def hf_prompt_logprobs(path: str, ids: tuple[int, ...]) -> list[float]:
     return torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
 
 
-def check_logprobs_close(reference, actual, label="", dtype="bfloat16", quantized=False):
-    """The rule for low-precision output (vLLM's ``check_logprobs_close``, plus values): while the
-    greedy sequences agree, each chosen token's logprob differs from the reference's by at most
-    LOGPROB_TOLERANCE[dtype] (LOGPROB_TOLERANCE_W8A8 for a W8A8 model); they may part only at a
-    position where each side's token is among the other's top-k logprobs, and the comparison
-    stops there (what follows depends on a different prefix)."""
-    (ref_tokens, ref_lps), (tokens, lps) = reference, actual
-    tolerance = max(LOGPROB_TOLERANCE[dtype], LOGPROB_TOLERANCE_W8A8 if quantized else 0)
-    assert len(tokens) == len(ref_tokens), f"{label}: {len(tokens)} tokens, expected {len(ref_tokens)}"
-    for i, (rt, t) in enumerate(zip(ref_tokens, tokens)):
-        if rt == t:
-            drift = abs(lps[i][t] - ref_lps[i][rt])
-            assert drift <= tolerance, (
-                f"{label}: token {i} ({t}) has logprob {lps[i][t]:.4f}, reference "
-                f"{ref_lps[i][rt]:.4f}: {drift:.4f} apart, more than the {tolerance} {dtype}"
-                f"{' W8A8' if quantized else ''} allows\ngot       {tokens}\n"
-                f"reference {ref_tokens}")
-            continue
-        assert rt in lps[i] and t in ref_lps[i], (
-            f"{label}: token {i} is {t}, reference {rt}, and they are not in each other's top "
-            f"{TOPK}\ngot       {tokens}\nreference {ref_tokens}\n"
-            f"top-k here {lps[i]}\nreference {ref_lps[i]}")
-        break
+def check_logprobs_close(reference: Reference, actual, label="", dtype="bfloat16") -> int:
+    """The rule for output against HF transformers' fp32 reference, by value at every position:
+    the chosen token's logprob within LOGPROB_TOLERANCE of the reference's logprob of the same
+    token given the same prefix. The sequences may part only at a near tie (the reference's
+    top-two gap there below the tolerance); from there on the reference is HF's scoring of the
+    actual sequence, so every position is still compared. Returns the positions compared."""
+    (ref_tokens, ref_steps), (tokens, steps) = reference, actual
+    kind = model_kind(reference.path)
+    tolerance = LOGPROB_TOLERANCE[kind, dtype]
+    assert len(tokens) == len(ref_tokens), \
+        f"{label}: {len(tokens)} tokens, expected {len(ref_tokens)}"
+    parted = next((i for i, (r, t) in enumerate(zip(ref_tokens, tokens)) if r != t), None)
+    along = list(ref_steps)
+    where = f"\ngot       {tokens}\nreference {ref_tokens}"
+    for i, (t, got) in enumerate(zip(tokens, steps)):
+        if parted is not None and i == parted + 1:  # past the parting: HF along this sequence
+            along[i:] = reference.rescore(tokens)[i:]
+        ref = along[i]
+        best = max(ref, key=ref.get)
+        gap = ref[best] - ref.get(t, float("-inf"))
+        assert t == best or gap < tolerance, (
+            f"{label}: token {i} is {t}, the reference's choice {best} leads it by {gap:.4f}: "
+            f"not a near tie (under {tolerance}){where}\nhere      {got}\nreference {ref}")
+        drift = abs(got[t] - ref[t])
+        _record_drift(kind, dtype, label, drift, None if t == best else gap)
+        assert drift <= tolerance, (
+            f"{label}: token {i} ({t}) has logprob {got[t]:.4f}, reference {ref[t]:.4f}: "
+            f"{drift:.4f} apart, more than the {tolerance} {kind} {dtype} allows{where}")
+    return len(tokens)
+
+
+def check_identical(expected, actual, label="") -> None:
+    """The rule for the same engine settings in eager and in a graph mode (the same kernels):
+    the same tokens, and the same top-k logprobs at every position, within EXACT."""
+    (tokens_a, steps_a), (tokens_b, steps_b) = expected, actual
+    assert tokens_a == tokens_b, \
+        f"{label}: tokens differ\ngot      {tokens_b}\nexpected {tokens_a}"
+    for i, (a, b) in enumerate(zip(steps_a, steps_b)):
+        assert a.keys() == b.keys() and all(a[t] == b[t] or abs(a[t] - b[t]) <= EXACT
+                                            for t in a), (
+            f"{label}: position {i}'s logprobs differ\ngot      {b}\nexpected {a}")
 
 
 @contextlib.contextmanager

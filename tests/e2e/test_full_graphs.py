@@ -102,7 +102,7 @@ def test_without_the_fia_update_full_graphs_replay_stale_lengths(decode_only_llm
     finally:
         decode_only_llm.collective_rpc(restore_fia_update)
     assert made["replayed"] == {"FULL": 11}  # one prefill, then 11 decodes in FULL graphs
-    with pytest.raises(AssertionError, match="not in each other's top|apart, more than the"):
+    with pytest.raises(AssertionError, match="not a near tie|apart, more than the"):
         check_logprobs_close(hf_greedy(model_path(FAMILY), prompt, 12), got, "stale lengths")
     check_logprobs_close(hf_greedy(model_path(FAMILY), prompt, 12),
                          vllm_greedy(decode_only_llm, [prompt], 12)[0], "updated again")

@@ -42,7 +42,7 @@ def test_an_export_runs_quantized_and_close_to_its_reference(quantized_llm):
         outs = vllm_greedy(llm, PROMPTS, n) + vllm_greedy(llm, [SHORT], n)  # SHORT alone
     for prompt, out in zip(prompts, outs):
         check_logprobs_close(hf_greedy(model_path(name), prompt, n), out, f"{name} {mode} "
-                             f"{prompt!r}", dtype=QUANTIZED[name][2], quantized=True)
+                             f"{prompt!r}", dtype=QUANTIZED[name][2])
     layers = llm.llm_engine.vllm_config.model_config.hf_config.num_hidden_layers
     expected = expected_replays(mode, made["steps"], layers, max(CAPTURE_SIZES))
     assert made["replayed"] == expected, made

@@ -15,7 +15,8 @@ from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import StructuredOutputsParams
 
 from scripts.models import tiny_model_dir
-from tests.e2e.conftest import (LOGPROB_TOLERANCE, TOPK, check_logprobs_close, engine,
+from tests.e2e.conftest import (EXACT, LOGPROB_TOLERANCE, TOPK, check_identical,
+                                check_logprobs_close, engine,
                                 expected_replays, hf_greedy, hf_prompt_logprobs, replays,
                                 vllm_greedy)
 
@@ -160,7 +161,7 @@ def run(llm, workload, decodes=True):
 def close_to_eager_and_hf(got, eager, label, max_tokens):
     prompts, outs = got[:2]
     for prompt, out, ref in zip(prompts, outs, eager[1]):
-        check_logprobs_close(ref, out, f"{label} vs eager {prompt[:24]!r}")
+        check_identical(ref, out, f"{label} vs eager {prompt[:24]!r}")
         check_logprobs_close(hf_greedy(MODEL, prompt, max_tokens), out,
                              f"{label} vs HF {prompt[:24]!r}")
 
@@ -187,7 +188,7 @@ def test_prefix_cache_hit_gives_the_same_output(graph_llm, eager_results):
     (prompts, (first, second), cached), _ = run(graph_llm, prefix_cached)
     assert cached >= 256
     assert second[0] == first[0]
-    check_logprobs_close(eager_results["prefix_cached"][1][1], second, "prefix-cached vs eager")
+    check_identical(eager_results["prefix_cached"][1][1], second, "prefix-cached vs eager")
     check_logprobs_close(hf_greedy(MODEL, prompts[0], 10), second,
                          "prefix-cached vs HF")
 
@@ -202,7 +203,7 @@ def test_structured_output_follows_the_regex(graph_llm, eager_results):
     got, _ = run(graph_llm, structured)
     for (text, out), (eager_text, eager_out) in zip(got, eager_results["structured"]):
         assert re.fullmatch(REGEX, text) and re.fullmatch(REGEX, eager_text), (text, eager_text)
-        check_logprobs_close(eager_out, out, f"structured {text!r}")
+        check_identical(eager_out, out, f"structured {text!r}")
 
 
 def test_full_batch_replays_the_largest_decode_graph(graph_llm, eager_results):
@@ -215,7 +216,7 @@ def test_request_aborted_between_steps_leaves_the_others_as_they_were(graph_llm,
     (outs, prompts), made = run(graph_llm, aborted_between_steps)
     eager_outs, _ = eager_results["aborted_between_steps"]
     for rid, out in outs.items():
-        check_logprobs_close(eager_outs[rid], out, f"beside an abort {rid} vs eager")
+        check_identical(eager_outs[rid], out, f"beside an abort {rid} vs eager")
         check_logprobs_close(hf_greedy(MODEL, prompts[rid], 12), out,
                              f"beside an abort {rid} vs HF")
     assert (2, 2) in made["steps"], made  # after the abort: two decodes a step
@@ -226,7 +227,7 @@ def test_request_aborted_between_steps_leaves_the_others_as_they_were(graph_llm,
 def test_seeded_sampling_is_close_to_eager_and_repeatable(graph_llm, eager_results):
     got, _ = run(graph_llm, seeded_sampling)
     for (prompt, seed), out, ref in zip(SEEDS, got, eager_results["seeded_sampling"]):
-        check_logprobs_close(ref, out, f"prompt {prompt} seed {seed} vs eager")
+        check_identical(ref, out, f"prompt {prompt} seed {seed} vs eager")
     again, _ = run(graph_llm, seeded_sampling)
     assert [tokens for tokens, _ in again] == [tokens for tokens, _ in got]
     assert got[0][0] != got[1][0]  # one prompt, two seeds: two samples
@@ -239,8 +240,8 @@ def test_prompt_logprobs_are_close_to_eager_and_hf(graph_llm, eager_results):
     hf = hf_prompt_logprobs(MODEL, tuple(ids))
     worst_eager = max(abs(a - b) for a, b in zip(got, eager))
     worst_hf = max(abs(a - b) for a, b in zip(got, hf))
-    tolerance = LOGPROB_TOLERANCE["bfloat16"]
-    assert worst_eager <= tolerance and worst_hf <= tolerance, (worst_eager, worst_hf)
+    assert worst_eager <= EXACT and worst_hf <= LOGPROB_TOLERANCE["tiny", "bfloat16"], \
+        (worst_eager, worst_hf)
     assert made["replayed"].get("PIECEWISE"), made  # the prefill fits the size-32 pieces
 
 
