@@ -29,10 +29,14 @@ def generate(llm, mode: str) -> list:
     return outs
 
 
-def check_asleep(asleep: dict, awake: dict) -> None:
+def check_asleep(asleep: dict, awake: dict, level: int) -> None:
     """Weights and KV cache hold no device memory: what is in use fell by at least both (the
-    workers' device_memory)."""
+    workers' device_memory). Level 1 keeps the weights in host memory, level 2 nothing of them
+    (and neither level the KV cache)."""
     pools, was = asleep["sleep_mode"], awake["sleep_mode"]
+    copies = asleep["host_copies"]
+    assert "kv_cache" not in copies and copies.get("weights", 0) == \
+        (was["weights"]["mapped"] if level == 1 else 0), (level, copies)
     for tag in ("weights", "kv_cache"):
         assert pools[tag] == {"mapped": 0, "asleep": was[tag]["mapped"]} and \
             was[tag]["mapped"] > 0, (tag, asleep)
@@ -51,12 +55,12 @@ def test_sleep_wake_and_new_weights_replay_the_same_graphs(mode):
         awake = llm.collective_rpc("device_memory")[0]
 
         llm.sleep(level=1)  # weights to host memory, KV cache discarded
-        check_asleep(llm.collective_rpc("device_memory")[0], awake)
+        check_asleep(llm.collective_rpc("device_memory")[0], awake, level=1)
         llm.wake_up()
         assert generate(llm, mode) == first  # the same weights, byte for byte
 
         llm.sleep(level=2)  # both discarded
-        check_asleep(llm.collective_rpc("device_memory")[0], awake)
+        check_asleep(llm.collective_rpc("device_memory")[0], awake, level=2)
         llm.wake_up(tags=["weights"])
         llm.collective_rpc("reload_weights", kwargs={"weights_path": other})
         llm.wake_up(tags=["kv_cache"])

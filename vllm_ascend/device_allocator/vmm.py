@@ -223,6 +223,14 @@ class NPUMemAllocator:
         """Bytes of physical memory mapped in the pools now."""
         return sum(a.size for a in self.allocations.values() if a.handle is not None)
 
+    def host_copies(self) -> dict[str, int]:
+        """tag -> bytes of its contents kept in host memory while asleep."""
+        copies: dict[str, int] = {}
+        for a in self.allocations.values():
+            if a.backup is not None:
+                copies[a.tag] = copies.get(a.tag, 0) + a.size
+        return copies
+
     def usage_by_tag(self) -> dict[str, tuple[int, int]]:
         """tag -> (bytes mapped, bytes asleep)."""
         usage: dict[str, tuple[int, int]] = {}

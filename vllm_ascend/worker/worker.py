@@ -275,12 +275,15 @@ class NPUWorker(Worker):
 
     def device_memory(self) -> dict:
         """This worker's device memory now, for ``collective_rpc("device_memory")``: bytes in
-        use on its device, and with sleep mode, its pools' bytes per tag (mapped, asleep)."""
+        use on its device, and with sleep mode, its pools' bytes per tag (mapped, asleep) and
+        the bytes per tag kept in host memory while asleep."""
         free, total = torch_npu.npu.mem_get_info()
-        pools = self.sleep_allocator.usage_by_tag() if self.model_config.enable_sleep_mode else {}
+        sleep_mode = self.model_config.enable_sleep_mode
+        pools = self.sleep_allocator.usage_by_tag() if sleep_mode else {}
         return {"in_use": total - free, "total": total,
                 "sleep_mode": {tag: {"mapped": mapped, "asleep": asleep}
-                               for tag, (mapped, asleep) in pools.items()}}
+                               for tag, (mapped, asleep) in pools.items()},
+                "host_copies": self.sleep_allocator.host_copies() if sleep_mode else {}}
 
     def device_binding(self) -> dict:
         """The device this worker opened (physical id on its node) and its process, for
