@@ -35,7 +35,9 @@ TINY_FAMILIES = {
         "num_key_value_heads": 4, "kv_lora_rank": 512, "q_lora_rank": None,
         "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
         "first_k_dense_replace": 1, "n_routed_experts": 8, "num_experts_per_tok": 2,
-        "n_shared_experts": 1, "moe_intermediate_size": 64, "n_group": 1, "topk_group": 1}),
+        "n_shared_experts": 1, "moe_intermediate_size": 64, "n_group": 1, "topk_group": 1,
+        # the routed experts' weight, as DeepSeek-V2's own (16.0) is not 1: the path runs
+        "routed_scaling_factor": 2.5}),
     # DeepSeek-V3, dense (its MoE routes by sigmoid over expert groups, which vllm-ascend does
     # not build yet), with a query LoRA and one MTP layer (model.layers.2.*, as V3's checkpoints
     # carry it) for vLLM's "mtp" speculative method.
@@ -64,7 +66,7 @@ def tiny_model_dir(family: str, dtype: str = "float32", seed: int = 1234) -> str
     import transformers
 
     config_cls, model_cls, extra = TINY_FAMILIES[family]
-    version = "v5" if "moe" in family or "deepseek" in family else "v2"
+    version = "v6" if "moe" in family or "deepseek" in family else "v2"
     path = CACHE / "models" / ((f"tiny-{family}-{version}" if dtype == "float32" else
                                 f"tiny-{family}-{dtype}-{version}")
                                + ("" if seed == 1234 else f"-seed{seed}"))

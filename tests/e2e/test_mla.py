@@ -16,14 +16,16 @@ from tests.e2e.conftest import (check_logprobs_close, check_plan, engine, expect
 CAPTURE_SIZES = [1, 2, 4, 8, 16]
 PROMPTS = ["Hi there", "The capital of France is a city that"]
 # (family, requested, runs as, dtype): dense MLA in every mode, in both of FIA's dtypes; with
-# MoE layers (float16, docs/moe.md#tests-and-figures) in FULL_DECODE_ONLY here and
-# FULL_AND_PIECEWISE in test_serve.py. The MoE model in the other modes, by hand:
+# MoE layers (a routed_scaling_factor of 2.5) in FULL_DECODE_ONLY (float16: vLLM divides the
+# hidden states by it instead) and PIECEWISE (bfloat16: vLLM's MoE runner scales the routed
+# output) here, FULL_AND_PIECEWISE in test_serve.py. The MoE model in the other modes, by hand:
 # `python scripts/check_parallel.py --family deepseek_v2_moe --dtype float16` (docs/mla.md).
 CASES = [("deepseek_v2", "NONE", "NONE", "bfloat16"),
          ("deepseek_v2", "PIECEWISE", "PIECEWISE", "bfloat16"),
          ("deepseek_v2", "FULL_DECODE_ONLY", "FULL_DECODE_ONLY", "float16"),
          ("deepseek_v2", "FULL", "FULL_AND_PIECEWISE", "bfloat16"),
-         ("deepseek_v2_moe", "FULL_DECODE_ONLY", "FULL_DECODE_ONLY", "float16")]
+         ("deepseek_v2_moe", "FULL_DECODE_ONLY", "FULL_DECODE_ONLY", "float16"),
+         ("deepseek_v2_moe", "PIECEWISE", "PIECEWISE", "bfloat16")]
 MAX_BATCHED = 128  # a prompt of ~300 tokens is prefilled in three chunks
 FALLBACK = ("graph mode FULL_AND_PIECEWISE (configured FULL): as configured (vLLM's default unless "
             "set); the MLA attention backend runs only uniform decode batches inside FULL graphs, "

@@ -149,7 +149,9 @@ class AscendUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
                                                                            k=top_k)
         if layer.renormalize:  # Qwen3-MoE's norm_topk_prob
             topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
-        if layer.routed_scaling_factor != 1.0:  # DeepSeek's (vLLM's runner leaves it to us)
+        # A model that leaves the routed scale to the experts. (DeepSeek-V2/V3 in vLLM 0.32 pass
+        # 1.0 here and have vLLM's MoE runner scale the output: test_mla.py's bfloat16 case.)
+        if layer.routed_scaling_factor != 1.0:
             topk_weights = topk_weights * layer.routed_scaling_factor
         first, last = layer.ascend_expert_range
         if last - first < layer.global_num_experts:

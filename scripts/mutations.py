@@ -1,0 +1,204 @@
+"""The suite's mutation score: small breakages a chip owner would dread, applied to the product
+one at a time, each followed by the tests that should catch it.
+
+    python scripts/mutations.py            every mutation; prints caught/missed and the time
+    python scripts/mutations.py --list     the mutations and their tests
+    python scripts/mutations.py NAME ...   only these
+
+Each mutation runs in a copy of the working tree (the product's files as they are now, with that
+one change), on the suite's model cache. A mutation is caught when its tests fail (pytest's exit
+code 1); any other outcome (a test run that cannot start, a time-out of the whole run) is an
+error, reported as such. The full tier (scripts/run_tests.sh) holds every test named here.
+"""
+
+import argparse
+import dataclasses
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutation:
+    name: str
+    breaks: str  # what goes wrong on a chip
+    path: str  # the product file, from the repository's root
+    old: str  # found exactly once
+    new: str
+    tests: tuple[str, ...]  # pytest arguments: the tests that should catch it
+
+
+MUTATIONS = [
+    Mutation("fia-update-skipped", "a FULL replay runs attention with the capture's lengths",
+             "vllm_ascend/worker/model_runner.py",
+             "        self.fia.update(desc, next(iter(metadata.values())))",
+             "        pass", ("tests/e2e/test_full_graphs.py",)),
+    Mutation("fia-event-before-update",
+             "the replay's attention may run before its task update lands",
+             "vllm_ascend/attention/graph_params.py",
+             "                torch_npu.npu.graph_task_update_begin(stream, c.handle)",
+             "                c.event.record(stream)\n"
+             "                torch_npu.npu.graph_task_update_begin(stream, c.handle)",
+             ("tests/e2e/test_full_graphs.py",)),
+    Mutation("fia-kv-lengths-not-updated", "a FULL replay attends over the capture's KV lengths",
+             "vllm_ascend/attention/backend.py",
+             "                    actual_seq_lengths=metadata.actual_seq_lengths_q,\n"
+             "                    actual_seq_lengths_kv=metadata.seq_lens_list)",
+             "                    actual_seq_lengths=metadata.actual_seq_lengths_q)",
+             ("tests/e2e/test_full_graphs.py",)),
+    # (Not re-issuing the block table changes nothing: it lives in the runner's persistent
+    # buffer, whose address the captured call reads, on a chip as here.)
+    Mutation("fia-query-lengths-not-updated",
+             "a mixed FULL replay splits the tokens into the capture's requests",
+             "vllm_ascend/attention/backend.py",
+             "        return dict(block_table=metadata.block_table,\n"
+             "                    actual_seq_lengths=metadata.actual_seq_lengths_q,\n",
+             "        return dict(block_table=metadata.block_table,\n",
+             ("tests/e2e/test_full_graphs.py",)),
+    Mutation("padding-query-starts-off-by-one",
+             "the padded requests' cumulative query lengths miss the graph's token count",
+             "vllm_ascend/worker/model_runner.py",
+             "starts[real + 1: total + 1] = starts[real] + np.cumsum(lens)",
+             "starts[real + 1: total + 1] = starts[real] + np.cumsum(lens) - 1",
+             ("tests/e2e/test_full_graphs.py",)),
+    Mutation("padding-requests-one-short", "a FULL graph's padding requests one too few",
+             "vllm_ascend/worker/padding.py",
+             "    for _ in range(graph_num_reqs - num_reqs):",
+             "    for _ in range(graph_num_reqs - num_reqs - 1):",
+             ("tests/ut/test_padding.py", "tests/e2e/test_full_graphs.py")),
+    Mutation("rope-stale-positions", "every layer rotates with the previous step's positions",
+             "vllm_ascend/worker/model_runner.py",
+             "            for rope in self.step_ropes:\n                rope.update(positions)",
+             "            pass", ("tests/e2e/test_graph_modes.py", "-k", "llama")),
+    Mutation("moe-no-renormalisation", "Qwen3-MoE's top-k weights not renormalised",
+             "vllm_ascend/ops/fused_moe/method.py",
+             "        if layer.renormalize:  # Qwen3-MoE's norm_topk_prob",
+             "        if False:", ("tests/e2e/test_moe.py",)),
+    Mutation("moe-ep-range-off-by-one", "an EP rank drops its first expert's tokens",
+             "vllm_ascend/ops/fused_moe/method.py",
+             "((topk_ids >= first) & (topk_ids < last))",
+             "((topk_ids > first) & (topk_ids < last))", ("tests/e2e/test_parallel.py",)),
+    Mutation("mla-value-up-projection-transposed", "MLA's W_UV applied per the wrong head",
+             "vllm_ascend/attention/mla.py",
+             "        out = torch_npu.npu_transpose_batchmatmul(latent.contiguous(), layer.W_UV,",
+             "        out = torch_npu.npu_transpose_batchmatmul(latent.contiguous(),\n"
+             "                                                  layer.W_UV.flip(0),",
+             ("tests/e2e/test_mla.py",)),
+    Mutation("mla-key-absorption-dropped-head", "MLA's W_UK_T absorbed with the heads shifted",
+             "vllm_ascend/attention/mla.py",
+             "                                layer.W_UK_T).transpose(0, 1)",
+             "                                layer.W_UK_T.roll(1, 0)).transpose(0, 1)",
+             ("tests/e2e/test_mla.py",)),
+    Mutation("w8a8-no-quant-bias", "static W8A8 without its folded bias and offset",
+             "vllm_ascend/quantization/w8a8.py",
+             "        quant_bias = layer.quant_bias if self.is_first_rank_of_row_split(layer) "
+             "else None",
+             "        quant_bias = None", ("tests/e2e/test_quantization.py",)),
+    Mutation("w8a8-bias-on-every-rank", "a row-parallel W8A8 layer adds its bias once per rank",
+             "vllm_ascend/quantization/w8a8.py",
+             "        quant_bias = layer.quant_bias if self.is_first_rank_of_row_split(layer) "
+             "else None",
+             "        quant_bias = layer.quant_bias", ("tests/e2e/test_parallel.py",)),
+    Mutation("w8a8-dynamic-scale-dropped", "dynamic W8A8 without its per-token scale",
+             "vllm_ascend/quantization/w8a8.py",
+             "                                          pertoken_scale=scale, bias=bias,",
+             "                                          pertoken_scale=scale.mean().expand_as("
+             "scale), bias=bias,", ("tests/e2e/test_quantization.py",)),
+    Mutation("add-rms-norm-residual-lost", "the residual stream skips the fused add",
+             "vllm_ascend/ops/layernorm.py",
+             "        x, _, residual = torch_npu.npu_add_rms_norm(x, residual, self.weight,\n"
+             "                                                    self.variance_epsilon)\n"
+             "        return x, residual",
+             "        y, _, added = torch_npu.npu_add_rms_norm(x, residual, self.weight,\n"
+             "                                                 self.variance_epsilon)\n"
+             "        return y, x", ("tests/e2e/test_graph_modes.py", "-k", "llama")),
+    Mutation("sleep-level-2-keeps-weights", "sleep level 2 keeps a host copy of the weights",
+             "vllm_ascend/device_allocator/sleep.py",
+             '        kept = ("weights", *ALWAYS_KEPT) if level == 1 else ALWAYS_KEPT',
+             '        kept = ("weights", *ALWAYS_KEPT)', ("tests/e2e/test_sleep_mode.py",)),
+    Mutation("wake-up-without-contents", "wake-up maps the memory but does not copy it back",
+             "vllm_ascend/device_allocator/vmm.py",
+             "            if allocation.backup is not None:\n"
+             "                _check(self.acl.rt.memcpy(",
+             "            if False:\n                _check(self.acl.rt.memcpy(",
+             ("tests/e2e/test_sleep_mode.py",)),
+    Mutation("streams-per-graph-undercounted", "the stream budget forgets the TP group's stream",
+             "vllm_ascend/compilation/capture_sizes.py",
+             "    return 1 + (tensor_parallel > 1) + (data_parallel > 1)",
+             "    return 1 + (data_parallel > 1)",
+             ("tests/ut/test_capture_sizes.py", "tests/e2e/test_parallel.py")),
+    Mutation("kv-write-slot-off-by-one", "each token's K and V written one slot further on",
+             "vllm_ascend/attention/backend.py",
+             "key_cache=key_cache, value_cache=value_cache, slot_mapping=slot_mapping,",
+             "key_cache=key_cache, value_cache=value_cache,\n"
+             "            slot_mapping=slot_mapping + (slot_mapping >= 0),",
+             ("tests/e2e/test_graph_modes.py", "-k", "llama")),
+    Mutation("fia-scale-dropped", "attention without its 1/sqrt(head size)",
+             "vllm_ascend/attention/backend.py",
+             "num_heads=self.num_heads, scale=self.scale,",
+             "num_heads=self.num_heads, scale=1.0,", ("tests/e2e/test_graph_modes.py", "-k",
+                                                      "llama")),
+]
+
+
+def run(mutation: Mutation, copy: pathlib.Path, timeout: int) -> tuple[str, float, str]:
+    target = copy / mutation.path
+    original = target.read_text()
+    if original.count(mutation.old) != 1:
+        return "error", 0.0, f"the text to change is not found once in {mutation.path}"
+    target.write_text(original.replace(mutation.old, mutation.new))
+    env = {**os.environ, "PYTHONPATH": str(copy)}
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+             *mutation.tests], cwd=copy, env=env, capture_output=True, text=True,
+            timeout=timeout)
+        outcome = {0: "MISSED", 1: "caught"}.get(proc.returncode, "error")
+        # pytest's short summary: the first test that failed (or could not run), and why.
+        lines = [line for line in proc.stdout.splitlines()
+                 if line.startswith(("FAILED tests/", "ERROR tests/"))]
+        detail = (lines or proc.stdout.strip().splitlines()[-1:] or [""])[0][:160]
+    except subprocess.TimeoutExpired:
+        outcome, detail = "error", f"no result in {timeout} s"
+    finally:
+        target.write_text(original)
+    return outcome, time.monotonic() - start, detail
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("names", nargs="*", help="mutations to run (all by default)")
+    parser.add_argument("--list", action="store_true")
+    parser.add_argument("--timeout", type=int, default=1200, help="seconds per mutation")
+    args = parser.parse_args()
+    chosen = [m for m in MUTATIONS if not args.names or m.name in args.names]
+    unknown = set(args.names) - {m.name for m in MUTATIONS}
+    if unknown:
+        parser.error(f"no such mutation: {', '.join(sorted(unknown))}")
+    if args.list:
+        for m in chosen:
+            print(f"{m.name:38s} {m.path}: {m.breaks}\n{'':38s} tests: {' '.join(m.tests)}")
+        return 0
+    results = []
+    with tempfile.TemporaryDirectory(prefix="vllm-ascend-mutations-") as tmp:
+        copy = pathlib.Path(tmp) / "tree"
+        shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(".git", "__pycache__"))
+        for m in chosen:
+            outcome, took, detail = run(m, copy, args.timeout)
+            results.append(outcome)
+            print(f"{outcome:7s} {took:6.0f} s  {m.name:38s} {detail}", flush=True)
+    caught = results.count("caught")
+    print(f"\n{caught} of {len(results)} caught, {results.count('MISSED')} missed, "
+          f"{results.count('error')} errors")
+    return 0 if caught == len(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
