@@ -246,12 +246,13 @@ CALIBRATION = ["The capital of France is", "Write a haiku about the sea.",
 
 
 def quantized_model_dir(family: str, types: "str | tuple[str, ...]",
-                        dtype: str = "bfloat16") -> str:
+                        dtype: str = "bfloat16", seed: int = 1234) -> str:
     """The tiny ``family`` model exported in ModelSlim's format (docs/quantization.md): each
     decoder layer's linear layers in ``types`` (one type for all layers, or one per layer:
     "W8A8_DYNAMIC", "W8A8" or "FLOAT"), int8 weights per output channel, symmetric; for W8A8,
     an asymmetric per-tensor activation scale and offset calibrated on a few prompts, with the
-    float bias and the offset folded into an int32 quant_bias. Saved once, for ``dtype``."""
+    float bias and the offset folded into an int32 quant_bias. Saved once, for ``dtype``; another
+    ``seed`` exports the tiny model of that seed."""
     import json
     import re
 
@@ -259,12 +260,13 @@ def quantized_model_dir(family: str, types: "str | tuple[str, ...]",
     import torch
     import transformers
 
-    src = tiny_model_dir(family)
+    src = tiny_model_dir(family, seed=seed)
     config = transformers.AutoConfig.from_pretrained(src)
     per_layer = (types,) * config.num_hidden_layers if isinstance(types, str) else tuple(types)
     named = per_layer[:1] if len(set(per_layer)) == 1 else per_layer  # each layer's, if mixed
     tag = "-".join(t.lower() for t in named)
-    path = CACHE / "models" / f"tiny-{family}-{tag}-{dtype}-q2"
+    path = CACHE / "models" / (f"tiny-{family}-{tag}-{dtype}-q2"
+                               + ("" if seed == 1234 else f"-seed{seed}"))
     if (path / "config.json").exists():
         return str(path)
     torch_dtype = getattr(torch, dtype)

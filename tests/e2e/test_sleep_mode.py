@@ -7,9 +7,10 @@ test_serve.py; a replay of sleeping memory: tests/ut/test_sim_vmm.py.)"""
 
 import pytest
 
-from tests.e2e.conftest import (PROMPTS, check_logprobs_close, engine, expected_replays,
-                                graph_counts, hf_greedy, model_path, replays, vllm_greedy)
-from scripts.models import tiny_model_dir
+from tests.e2e.conftest import (PROMPTS, QUANTIZED, check_logprobs_close, engine,
+                                expected_replays, graph_counts, hf_greedy, model_path, replays,
+                                vllm_greedy)
+from scripts.models import quantized_model_dir, tiny_model_dir
 
 TOKENS = 8
 CAPTURE_SIZES = [1, 2, 4]
@@ -69,3 +70,29 @@ def test_sleep_wake_and_new_weights_replay_the_same_graphs(mode):
         assert graph_counts(llm)["captured"] == captured  # nothing captured again
         # All mapped again, as much as before (the process's heap holds the HF reference now).
         assert llm.collective_rpc("device_memory")[0]["sleep_mode"] == awake["sleep_mode"]
+
+
+# Weights the plugin derives at load time, which a reload must refill where they are (the
+# captured graphs read those addresses): a static W8A8 export's per-channel activation scale and
+# offset, MLA's contiguous W_UK_T and W_UV.
+RELOADED = {
+    "llama-w8a8": lambda: quantized_model_dir(*QUANTIZED["llama-w8a8"], seed=4321),
+    "deepseek_v2": lambda: tiny_model_dir("deepseek_v2", seed=4321),
+}
+
+
+@pytest.mark.parametrize("family", list(RELOADED))
+def test_weights_derived_at_load_are_refilled_in_place_by_a_reload(family):
+    other = RELOADED[family]()
+    with engine(model_path(family), enable_sleep_mode=True, max_num_seqs=8,
+                compilation_config={"cudagraph_mode": "FULL_AND_PIECEWISE",
+                                    "cudagraph_capture_sizes": CAPTURE_SIZES}) as llm:
+        generate(llm, "FULL_AND_PIECEWISE")
+        captured = graph_counts(llm)["captured"]
+        llm.sleep(level=2)
+        llm.wake_up(tags=["weights"])
+        llm.collective_rpc("reload_weights", kwargs={"weights_path": other})
+        llm.wake_up(tags=["kv_cache"])
+        for prompt, out in zip(PROMPTS, generate(llm, "FULL_AND_PIECEWISE")):
+            check_logprobs_close(hf_greedy(other, prompt, TOKENS), out, f"reloaded {prompt!r}")
+        assert graph_counts(llm)["captured"] == captured
