@@ -34,6 +34,10 @@ class Mutation:
     tests: tuple[str, ...]  # pytest arguments: the tests that should catch it
 
 
+# W8A8's folded bias, added on the first rank of a row-parallel split only.
+STATIC_BIAS = ("        quant_bias = layer.quant_bias if self.is_first_rank_of_row_split(layer) "
+               "else None")
+
 MUTATIONS = [
     Mutation("fia-update-skipped", "a FULL replay runs attention with the capture's lengths",
              "vllm_ascend/worker/model_runner.py",
@@ -97,13 +101,11 @@ MUTATIONS = [
              ("tests/e2e/test_mla.py",)),
     Mutation("w8a8-no-quant-bias", "static W8A8 without its folded bias and offset",
              "vllm_ascend/quantization/w8a8.py",
-             "        quant_bias = layer.quant_bias if self.is_first_rank_of_row_split(layer) "
-             "else None",
+             STATIC_BIAS,
              "        quant_bias = None", ("tests/e2e/test_quantization.py",)),
     Mutation("w8a8-bias-on-every-rank", "a row-parallel W8A8 layer adds its bias once per rank",
              "vllm_ascend/quantization/w8a8.py",
-             "        quant_bias = layer.quant_bias if self.is_first_rank_of_row_split(layer) "
-             "else None",
+             STATIC_BIAS,
              "        quant_bias = layer.quant_bias", ("tests/e2e/test_parallel.py",)),
     Mutation("w8a8-dynamic-scale-dropped", "dynamic W8A8 without its per-token scale",
              "vllm_ascend/quantization/w8a8.py",

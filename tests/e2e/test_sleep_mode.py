@@ -72,11 +72,13 @@ def test_sleep_wake_and_new_weights_replay_the_same_graphs(mode):
         assert llm.collective_rpc("device_memory")[0]["sleep_mode"] == awake["sleep_mode"]
 
 
-# Weights the plugin derives at load time, which a reload must refill where they are (the
+# Weights the plugin changes after loading, which a reload must refill where they are (the
 # captured graphs read those addresses): a static W8A8 export's per-channel activation scale and
-# offset, MLA's contiguous W_UK_T and W_UV.
+# offset, a dynamic export's transposed weights, MLA's contiguous W_UK_T and W_UV.
 RELOADED = {
     "llama-w8a8": lambda: quantized_model_dir(*QUANTIZED["llama-w8a8"], seed=4321),
+    "llama-w8a8-dynamic": lambda: quantized_model_dir(*QUANTIZED["llama-w8a8-dynamic"],
+                                                      seed=4321),
     "deepseek_v2": lambda: tiny_model_dir("deepseek_v2", seed=4321),
 }
 
@@ -96,3 +98,16 @@ def test_weights_derived_at_load_are_refilled_in_place_by_a_reload(family):
         for prompt, out in zip(PROMPTS, generate(llm, "FULL_AND_PIECEWISE")):
             check_logprobs_close(hf_greedy(other, prompt, TOKENS), out, f"reloaded {prompt!r}")
         assert graph_counts(llm)["captured"] == captured
+
+
+def test_reloading_moe_experts_in_place_is_refused_not_wrong():
+    """MoE experts are stored transposed in new memory after loading (the graphs read that
+    copy): a reload would leave the graphs on the old experts, so it is refused, naming why."""
+    with engine(model_path("qwen3_moe"), enable_sleep_mode=True, max_num_seqs=8,
+                compilation_config={"cudagraph_mode": "FULL_AND_PIECEWISE",
+                                    "cudagraph_capture_sizes": CAPTURE_SIZES}) as llm:
+        llm.sleep(level=2)
+        llm.wake_up(tags=["weights"])
+        with pytest.raises(Exception, match="cannot reload MoE expert weights in place yet"):
+            llm.collective_rpc("reload_weights",
+                               kwargs={"weights_path": tiny_model_dir("qwen3_moe", seed=4321)})

@@ -104,6 +104,12 @@ class AscendUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
         return True  # its own DP all-gather/reduce-scatter: vLLM's runner must not dispatch
 
     def process_weights_after_loading(self, layer) -> None:
+        if hasattr(layer, "ascend_expert_range"):  # processed once: this is a reload
+            raise NotImplementedError(
+                f"{layer.layer_name}: vllm-ascend cannot reload MoE expert weights in place yet: "
+                "the experts are stored transposed in new memory after loading, which the "
+                "captured graphs read, and a reload would leave them reading the old experts "
+                "(docs/moe.md). Start a new engine on the new checkpoint instead.")
         unsupported = [name for name, used in (
             (f"{layer.scoring_func} scores", layer.scoring_func != "softmax"),
             # DeepSeek-V2 routes with grouped top-k over one group: plain top-k.
