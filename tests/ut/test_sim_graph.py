@@ -319,6 +319,32 @@ class Attention:
             self.event.record(self.stream)
 
 
+def test_a_capture_records_products_and_attention_unrun_and_the_replay_computes_them():
+    """As on the chip, a captured task runs at replay only: a capture's output is garbage until
+    a replay writes it; the host-side checks still run at capture."""
+    w, x = torch.randn(16, 16, dtype=BF16), torch.randn(32, 16, dtype=BF16)
+
+    def products(a, b):
+        return torch.mm(a, b), torch.addmm(b[0], a, b), torch.bmm(a.view(2, 16, 16),
+                                                                  b.expand(2, 16, 16))
+    g, out = capture(products, x, w)
+    real = products(x, w)
+    assert not any(torch.equal(o, r) for o, r in zip(out, real))
+    g.replay()
+    assert all(torch.equal(o, r) for o, r in zip(out, real))
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):
+        capture(torch.mm, x, torch.randn(8, 16, dtype=BF16))
+    a = Attention()
+    a.capture(3, with_event=False)
+    assert not torch.allclose(a.out, a.eager(3))
+    a.graph.replay()
+    torch.testing.assert_close(a.out, a.eager(3))
+    bad = dict(a.args(3), num_heads=1, num_key_value_heads=1)
+    with pytest.raises(RuntimeError, match="numHeads"):
+        capture(lambda: torch_npu.npu_fused_infer_attention_score.out(
+            **bad, workspace=a.ws, out=[torch.empty_like(a.q), a.lse]))
+
+
 def test_host_lists_are_frozen_at_capture_and_a_replay_reads_stale_values():
     a = Attention()
     a.capture(3, with_event=False)

@@ -1,8 +1,10 @@
 """The simulator's ACL graphs: capture records device ops, replay runs only the record.
 
 Between ``capture_begin`` and ``capture_end`` the ops run once, eagerly, under a dispatcher-level
-recorder. Each device op is kept with its tensor arguments by identity and every other argument
-(ints, lists, floats) by value. Ops implemented in Python (vLLM's attention and KV-update custom
+recorder, except the matrix products and attention, which are recorded unrun, as the chip records
+a captured task (``_UNRUN``, ``ops.CAPTURING``: the host-side checks run, the output holds garbage
+until a replay). Each device op is kept with its tensor arguments by identity and every other
+argument (ints, lists, floats) by value. Ops implemented in Python (vLLM's attention and KV-update custom
 ops, which read the forward context) are not recorded whole: their CPU kernel runs under the
 recorder, so the device ops they issue are what is recorded. At ``capture_end`` the record is
 frozen as a graph pool would leave it:
@@ -36,6 +38,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from vllm_ascend.device.sim import acl as _acl
 from vllm_ascend.device.sim import ledger as _ledger
+from vllm_ascend.device.sim import ops as _ops
 
 STREAM_EXHAUSTED_CODE = 207008
 _RECORDED_NAMESPACES = {"aten", "prims", "ascend_sim"}
@@ -46,6 +49,33 @@ _NO_REPLAY = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.d
 _ALIGN = 64
 # Ops whose result is a copy of their first argument.
 _COPIES = {torch.ops.aten.contiguous.default, torch.ops.aten.clone.default}
+
+
+def _product_shape(a, b):
+    if (type(a) is torch.Tensor and type(b) is torch.Tensor and a.dtype == b.dtype
+            and a.is_floating_point() and a.dim() == b.dim() and a.dim() in (2, 3)
+            and a.shape[-1] == b.shape[-2] and a.shape[:-2] == b.shape[:-2]):
+        return (*a.shape[:-1], b.shape[-1]), a.dtype
+    return None  # run it: the kernel's own error, or a case not worth recording unrun
+
+
+# Matrix products, most of a capture's time on the CPU, are recorded without running, as the chip
+# records a captured task (it runs at replay only): their result is garbage until a replay fills
+# it, so code that reads a capture's output sees garbage here too. Shapes the kernel would refuse
+# run and raise as before.
+_UNRUN = {torch.ops.aten.mm.default: lambda a, b: _product_shape(a, b),
+          torch.ops.aten.bmm.default: lambda a, b: _product_shape(a, b),
+          torch.ops.aten.addmm.default: lambda bias, a, b, **kw: _biased_shape(bias, a, b)}
+
+
+def _biased_shape(bias, a, b):
+    result = _product_shape(a, b)
+    if result is None or type(bias) is not torch.Tensor or bias.dtype != a.dtype:
+        return None
+    try:
+        return result if torch.broadcast_shapes(bias.shape, result[0]) == result[0] else None
+    except RuntimeError:
+        return None
 
 
 class GraphCaptureError(RuntimeError):
@@ -246,7 +276,12 @@ class _Recorder(TorchDispatchMode):
             # Implemented in Python: record the device ops it issues, not the call itself.
             with self:
                 return func._op_dk(DispatchKey.CPU, *args, **kwargs)
-        out = func(*args, **kwargs)
+        unrun = _UNRUN.get(func)
+        result = unrun(*args, **kwargs) if unrun is not None else None
+        if result is not None:
+            out = _ops.CAPTURING.unwritten(torch.empty(result[0], dtype=result[1]))
+        else:
+            out = func(*args, **kwargs)
         self.nodes.append(_Node(func, args, kwargs, out, self.group))
         return out
 
@@ -310,15 +345,16 @@ def _binding_with_out(func, args, kwargs, targets):
     fn = getattr(torch._C._VariableFunctions, func.overloadpacket.__name__, None)
     if fn is None:
         return None
+    scratch = torch.empty_like(targets[0])  # the target keeps what the capture left in it
     try:
         expected = func(*args, **kwargs)
-        written = fn(*args, **kwargs, out=targets[0])
+        written = fn(*args, **kwargs, out=scratch)
     except Exception:
         return None
     # The binding must write into out= and return it: some (__and__, __or__) accept out= and
-    # return NotImplemented without writing, while the target still holds the captured value.
-    if written is not targets[0] or not isinstance(expected, torch.Tensor) or \
-            not torch.equal(expected, targets[0]):
+    # return NotImplemented without writing.
+    if written is not scratch or not isinstance(expected, torch.Tensor) or \
+            not torch.equal(expected, scratch):
         return None
     return fn
 
@@ -478,11 +514,13 @@ class SimGraph:
         for name, method in _HOST_COPIES.items():
             setattr(torch.Tensor, name, method)
         torch.Tensor.to = _to_refusing_host(self._saved_methods["to"])
+        _ops.CAPTURING.active = True
         self._recorder.__enter__()
 
     def end(self, pool: GraphPool, failed: bool = False) -> None:
         recorder, self._recorder = self._recorder, None
         recorder.__exit__(None, None, None)
+        _ops.CAPTURING.active = False
         for name, method in self._saved_methods.items():
             setattr(torch.Tensor, name, method)
         if recorder.group is not None and not failed:

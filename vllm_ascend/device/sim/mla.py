@@ -8,8 +8,8 @@ contract and its source; anything outside the MLA path upstream runs is refused 
 import torch
 from torch.library import Library
 
-from vllm_ascend.device.sim.ops import (ATTEN_MASK_SIZE, FIA_DTYPES, FIA_MAX_BATCH, PARAM_INVALID,
-                                        TILING_ERROR, AscendOpError, _check_causal_mask,
+from vllm_ascend.device.sim.ops import (ATTEN_MASK_SIZE, CAPTURING, FIA_DTYPES, FIA_MAX_BATCH,
+                                        PARAM_INVALID, TILING_ERROR, AscendOpError, _check_causal_mask,
                                         _require_contiguous, _sampling)
 
 _lib = Library("ascend_sim", "FRAGMENT")
@@ -319,6 +319,8 @@ def _fia_v2_run(query, key, value, query_rope, key_rope, atten_mask, actual_seq_
     elif tuple(out.shape) != out_shape or out.dtype != query.dtype or not out.is_contiguous():
         raise fia_v2_error(TILING_ERROR, f"attention_out must be a contiguous {list(out_shape)} "
                            f"{query.dtype} tensor, got {list(out.shape)} {out.dtype}")
+    if CAPTURING.active:  # checked, not run (ops.CAPTURING)
+        return CAPTURING.unwritten(out)
     fia_v2_kernel(query, key, query_rope, key_rope, block_table, q_lens, kv_lens,
                   softmax_scale, block_size, out)
     return out

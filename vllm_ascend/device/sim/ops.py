@@ -11,6 +11,8 @@ where they are known; where the chip's rule is not documented, the stricter read
 the comment says so.
 """
 
+import threading
+
 import torch
 from torch.library import Library
 from torch.utils._python_dispatch import _disable_current_modes
@@ -22,6 +24,22 @@ _lib = Library("ascend_sim", "DEF")
 FIA_MAX_BATCH = 4096  # actual_seq_lengths(_kv) entries the chip accepts
 ATTEN_MASK_SIZE = 2048  # sparse_mode 3/4 take the compressed 2048x2048 causal mask
 INT32_MAX = 2147483647
+
+
+class _Capturing(threading.local):
+    active = False
+    _garbage = torch.Generator().manual_seed(20261203)  # its own: the process's RNG is untouched
+
+    def unwritten(self, t: torch.Tensor) -> torch.Tensor:
+        """What a captured task's output holds until a replay writes it: garbage (finite, so
+        the ops after it in the capture still run their checks on sane values)."""
+        return t.uniform_(-1, 1, generator=self._garbage)
+
+
+# Set by the graph recorder while it captures (graph.py): the attention kernels then run their
+# host-side checks, as the chip's tiling does at capture, and leave garbage in the output, as a
+# captured task runs at replay only. The capture of a FULL graph cost twice its attention before.
+CAPTURING = _Capturing()
 TILING_ERROR = 561002  # ACLNN_ERR_INNER_TILING_ERROR: a host-side shape or value check
 PARAM_INVALID = 161002  # ACLNN_ERR_PARAM_INVALID: dtype or format
 FIA_DTYPES = (torch.float16, torch.bfloat16)
@@ -270,6 +288,9 @@ def fia_kernel(query, key, value, atten_mask, actual_seq_lengths, actual_seq_len
     nkv = num_key_value_heads or num_heads
     if query.shape[0] == 0 or max(q_lens) == 0:
         return  # F17: nothing to attend for
+    if CAPTURING.active:
+        CAPTURING.unwritten(out)
+        return
     cu_q = list(actual_seq_lengths)
     q_starts = [c - q for c, q in zip(cu_q, q_lens)]
     single = [b for b, q in enumerate(q_lens) if q == 1]
