@@ -1,5 +1,5 @@
-"""Check a mixture-of-experts model with data parallelism by hand, in a graph mode the suite does
-not serve it in: `vllm serve --data-parallel-size 2 --enable-expert-parallel` (vLLM 0.32 refuses
+"""Check a mixture-of-experts model with data parallelism in a graph mode the suite does not
+serve it in (it serves FULL_AND_PIECEWISE: tests/e2e/test_serve.py, test_defaults.py): `vllm serve --data-parallel-size 2 --enable-expert-parallel` (vLLM 0.32 refuses
 data parallelism in one LLM process), four concurrent requests against HF transformers under the
 logprob-closeness rule, one request pinned to DP rank 0 while rank 1 idles, and DP engine 0's
 workers' graph counts.

@@ -1,6 +1,7 @@
-"""Check a parallel layout in graph mode by hand, for layouts the suite does not run (TP=4 needs
-four workers): greedy output against HF transformers' under the logprob-closeness rule, and each
-rank's graphs, replays and streams, in each graph mode asked for.
+"""Check a parallel layout in graph mode, in each graph mode asked for: greedy output against HF
+transformers' under the logprob-closeness rule, and each rank's graphs, replays and streams. The
+suite runs one mode per layout (tests/e2e/test_parallel.py, test_mp_executor.py, which runs this
+script); this checks the others, or a layout of your own.
 
     python scripts/check_parallel.py --tensor-parallel-size 4
     python scripts/check_parallel.py --pipeline-parallel-size 2 --modes FULL_DECODE_ONLY

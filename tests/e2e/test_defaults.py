@@ -44,26 +44,42 @@ import json, sys
 
 if __name__ == "__main__":
     from vllm import LLM, SamplingParams
-    llm = LLM(sys.argv[1], compilation_config={"cudagraph_mode": sys.argv[2]})
-    params = SamplingParams(temperature=0, max_tokens=int(sys.argv[4]), logprobs=5,
-                            ignore_eos=True)
-    out = llm.generate([sys.argv[3]], params, use_tqdm=False)[0].outputs[0]
-    print("RESULT", json.dumps({
-        "tokens": list(out.token_ids),
-        "logprobs": [{t: lp.logprob for t, lp in step.items()} for step in out.logprobs],
-        "figures": llm.collective_rpc("startup_figures")[0],
-        "counts": llm.collective_rpc("graph_counts")[0]}))
-    llm.llm_engine.engine_core.shutdown()
+    for mode in sys.argv[2].split(","):  # engines one after the other, as a user's script may
+        llm = LLM(sys.argv[1], compilation_config={"cudagraph_mode": mode})
+        params = SamplingParams(temperature=0, max_tokens=int(sys.argv[4]), logprobs=5,
+                                ignore_eos=True)
+        out = llm.generate([sys.argv[3]], params, use_tqdm=False)[0].outputs[0]
+        print("RESULT", json.dumps({
+            "mode": mode, "tokens": list(out.token_ids),
+            "logprobs": [{t: lp.logprob for t, lp in step.items()} for step in out.logprobs],
+            "figures": llm.collective_rpc("startup_figures")[0],
+            "counts": llm.collective_rpc("graph_counts")[0]}), flush=True)
+        llm.llm_engine.engine_core.shutdown()
+        del llm
 """
+MODES = ["NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY"]
 
 
-@pytest.mark.parametrize("mode", ["NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY"])
-def test_llm_with_defaults_answers_as_hf_in_every_graph_mode(mode):
-    run = subprocess.run([sys.executable, "-c", LLM_SCRIPT, SMOLLM2, mode, PROMPT, str(TOKENS)],
-                         env=default_env(), capture_output=True, text=True, timeout=900)
-    result = next((json.loads(line.removeprefix("RESULT ")) for line in run.stdout.splitlines()
-                   if line.startswith("RESULT ")), None)
-    assert run.returncode == 0 and result, run.stdout[-2000:] + run.stderr[-4000:]
+@pytest.fixture(scope="module")
+def llm_runs() -> dict:
+    """``LLM(SmolLM2)`` with defaults in each mode, one engine after the other in one script (a
+    process importing vLLM costs about 20 s), each with its engine core in a process of its
+    own, as users run it: mode -> its result, or the script's output if it has none."""
+    run = subprocess.run([sys.executable, "-c", LLM_SCRIPT, SMOLLM2, ",".join(MODES), PROMPT,
+                          str(TOKENS)], env=default_env(), capture_output=True, text=True,
+                         timeout=1500)
+    results = {r["mode"]: r for r in (json.loads(line.removeprefix("RESULT "))
+                                      for line in run.stdout.splitlines()
+                                      if line.startswith("RESULT "))}
+    failure = f"exit {run.returncode}\n" + run.stdout[-2000:] + run.stderr[-4000:]
+    return {mode: results.get(mode, failure) for mode in MODES}
+
+
+@pytest.mark.timeout(1600)  # the first test waits for the four engines
+@pytest.mark.parametrize("mode", MODES)
+def test_llm_with_defaults_answers_as_hf_in_every_graph_mode(llm_runs, mode):
+    result = llm_runs[mode]
+    assert isinstance(result, dict), result
     out = (result["tokens"], [{int(t): lp for t, lp in step.items()}
                               for step in result["logprobs"]])
     check_logprobs_close(hf_greedy(SMOLLM2, PROMPT, TOKENS), out, mode)

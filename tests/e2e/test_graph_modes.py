@@ -18,11 +18,10 @@ MODES = ["PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]
 MAX_NUM_SEQS = 8
 # Llama in PIECEWISE, FULL and FULL_AND_PIECEWISE: what a mode does is family-independent (the
 # family's model file runs inside the same graphs), and FULL_DECODE_ONLY's graphs are
-# FULL_AND_PIECEWISE's FULL ones (Qwen3-MoE runs it, in test_moe.py). The Qwen families against
+# FULL_AND_PIECEWISE's FULL ones (the MoE families run it, in test_moe.py). The Qwen families against
 # HF: test_spec_decode.py (Qwen2 and Qwen3, in graph modes) and test_moe.py (Qwen3-MoE in
 # float16, the other dtype FIA computes in); DeepSeek: test_mla.py. SmolLM2's real weights in
-# graph mode: the demo (test_fresh_machine.py), and by hand against HF with
-# `python scripts/check_parallel.py --family smollm2` (docs/testing.md).
+# graph mode against HF: test_defaults.py (every mode) and test_parallel.py (TP=3).
 # A mode does the same to a quantized model's layers (their operators run inside the pieces and
 # graphs like any other), so PIECEWISE and FULL run the W8A8 exports of the tiny Llama: every
 # check below also holds for W8A8_DYNAMIC and W8A8 layers (test_quantization.py: the other modes).
@@ -65,6 +64,15 @@ def check(llm, family, mode, prompts, label) -> dict:
     assert made["replayed"] == expected_replays(mode, made["steps"], num_layers(llm),
                                                 max(CAPTURE_SIZES)), made
     return made
+
+
+def test_async_scheduling_is_on_the_engine_schedules_a_step_ahead(graph_llm):
+    """vLLM's default in graph mode, kept: the engine core steps through its batch queue (the
+    next step scheduled while the device runs this one)."""
+    _, _, llm = graph_llm
+    assert llm.llm_engine.vllm_config.scheduler_config.async_scheduling
+    core = llm.llm_engine.engine_core.engine_core
+    assert core.batch_queue_size == 2 and core.step_fn == core.step_with_batch_queue
 
 
 def test_graphs_captured_per_piece_and_size_on_our_backend(graph_llm):

@@ -1,8 +1,8 @@
 """DeepSeek's multi-head latent attention in graph mode: a tiny dense-MLA DeepSeek-V2 loads
 through the plugin's family file, runs on the ASCEND_MLA backend and generates close to HF
 transformers in NONE, PIECEWISE, FULL_DECODE_ONLY and FULL (which MLA runs as
-FULL_AND_PIECEWISE, saying so), with its graph replays counted; so does one with MoE layers in
-FULL_DECODE_ONLY. Prefill with context (a chunked prompt's later chunks, a prefix-cache
+FULL_AND_PIECEWISE, saying so), with its graph replays counted; so does one with MoE layers, in
+every mode. Prefill with context (a chunked prompt's later chunks, a prefix-cache
 hit) reads earlier tokens from the latent cache. DeepSeek-V2 with MoE layers over DP=2 x TP=2
 with EP=4: test_serve.py. MTP: test_spec_decode.py."""
 
@@ -15,17 +15,19 @@ from tests.e2e.conftest import (check_logprobs_close, check_plan, engine, expect
 
 CAPTURE_SIZES = [1, 2, 4, 8, 16]
 PROMPTS = ["Hi there", "The capital of France is a city that"]
-# (family, requested, runs as, dtype): dense MLA in every mode, in both of FIA's dtypes; with
-# MoE layers (a routed_scaling_factor of 2.5) in FULL_DECODE_ONLY (float16: vLLM divides the
-# hidden states by it instead) and PIECEWISE (bfloat16: vLLM's MoE runner scales the routed
-# output) here, FULL_AND_PIECEWISE in test_serve.py. The MoE model in the other modes, by hand:
-# `python scripts/check_parallel.py --family deepseek_v2_moe --dtype float16` (docs/mla.md).
+# (family, requested, runs as, dtype): dense MLA and MLA with MoE layers (a routed_scaling_factor
+# of 2.5) in every mode, in both of FIA's dtypes (float16: vLLM divides the hidden states by the
+# scaling factor instead of scaling the routed output in its MoE runner). The MoE model at TP=2
+# with expert parallelism: test_layouts.py; over DP=2 x TP=2: test_serve.py.
 CASES = [("deepseek_v2", "NONE", "NONE", "bfloat16"),
          ("deepseek_v2", "PIECEWISE", "PIECEWISE", "bfloat16"),
          ("deepseek_v2", "FULL_DECODE_ONLY", "FULL_DECODE_ONLY", "float16"),
          ("deepseek_v2", "FULL", "FULL_AND_PIECEWISE", "bfloat16"),
+         ("deepseek_v2_moe", "NONE", "NONE", "float16"),
          ("deepseek_v2_moe", "FULL_DECODE_ONLY", "FULL_DECODE_ONLY", "float16"),
-         ("deepseek_v2_moe", "PIECEWISE", "PIECEWISE", "bfloat16")]
+         ("deepseek_v2_moe", "PIECEWISE", "PIECEWISE", "bfloat16"),
+         ("deepseek_v2_moe", "FULL", "FULL_AND_PIECEWISE", "bfloat16"),
+         ("deepseek_v2_moe", "FULL_AND_PIECEWISE", "FULL_AND_PIECEWISE", "float16")]
 MAX_BATCHED = 128  # a prompt of ~300 tokens is prefilled in three chunks
 FALLBACK = ("graph mode FULL_AND_PIECEWISE (configured FULL): as configured (vLLM's default unless "
             "set); the MLA attention backend runs only uniform decode batches inside FULL graphs, "

@@ -1,8 +1,8 @@
-"""Mixture-of-experts in graph mode: a tiny Qwen3-MoE (top-k renormalised) loads through
-the plugin's family file, runs its experts on the fused-MoE operators, and generates close to HF
-transformers (DeepSeek-V2's MoE layers, a shared expert and no renormalisation: test_mla.py);
-every check counts the graphs that replayed, so an eager fallback fails it. In float16 (routing
-ties, docs/moe.md#tests-and-figures). Expert parallelism: over TP=2 in test_parallel.py, over
+"""Mixture-of-experts in graph mode: a tiny Qwen3-MoE (top-k renormalised) and a tiny Qwen2-MoE
+(a gated shared expert) load through the plugin's family files, run their experts on the
+fused-MoE operators, and generate close to HF transformers in every graph mode (DeepSeek-V2's
+MoE layers: test_mla.py); every check counts the graphs that replayed, so an eager fallback
+fails it. Expert parallelism: over TP=2 in test_parallel.py, over
 DP=2 x TP=2 (vLLM's lockstep DP engines) in test_serve.py."""
 
 import pytest
@@ -16,16 +16,11 @@ CAPTURE_SIZES = [1, 2, 4, 8, 16]
 # mixed batch in FULL, eagerly in FULL_DECODE_ONLY), then decoded two requests a step.
 PROMPTS = ["Hi there", "The capital of France is a city that"]
 MODES = ["NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]
-CLASSES = {"qwen3_moe": "AscendQwen3MoeForCausalLM"}
-DTYPES = {"qwen3_moe": "float16"}
-# Qwen3-MoE in the modes whose graphs hold MoE layers for every batch kind: FULL (mixed batches
-# in FULL graphs), FULL_DECODE_ONLY and FULL_AND_PIECEWISE (prefill pieces, FULL decode graphs).
-# NONE and PIECEWISE run the same layer eagerly or in pieces, as FULL_AND_PIECEWISE's prefill
-# does; they and Qwen2-MoE are checked by hand: `python scripts/check_parallel.py --family
-# qwen3_moe --modes PIECEWISE` and `--family qwen2_moe` (every mode). A shared expert without
-# renormalisation (Qwen2-MoE's and DeepSeek-V2's routing) runs in the suite as DeepSeek-V2
-# (test_mla.py, test_serve.py).
-CASES = [("qwen3_moe", m) for m in MODES if m not in ("NONE", "PIECEWISE")]
+CLASSES = {"qwen3_moe": "AscendQwen3MoeForCausalLM", "qwen2_moe": "AscendQwen2MoeForCausalLM"}
+# Qwen3-MoE (top-k renormalised) in float16 (routing ties, docs/moe.md#tests-and-figures);
+# Qwen2-MoE (a gated shared expert, no renormalisation) in bfloat16. Both in every graph mode.
+DTYPES = {"qwen3_moe": "float16", "qwen2_moe": "bfloat16"}
+CASES = [(family, m) for family in DTYPES for m in MODES]
 
 
 @pytest.mark.parametrize("family,mode", CASES)

@@ -7,23 +7,25 @@ serves the module. Greedy output is close to HF transformers' (TP=1), every rank
 graphs its steps call for (the collectives inside them included), each graph holds the streams
 its communication groups cost, and each worker sits on its own NPU on its node.
 
-Two in-process engines (each Ray worker is a process that imports vLLM) cover every kind of
-graph:
+In-process engines (each Ray worker is a process that imports vLLM):
 
 - TP=2 within each node x PP=2 across them, in FULL_AND_PIECEWISE (~50 s), replays FULL decode
   graphs and, for a prefill that fits the largest size, PIECEWISE pieces, exactly as many as
   its steps call for on all four ranks;
+- more layouts, one graph mode each (LAYOUTS: TP=2 with EP, DeepSeek-V2-MoE, EAGLE; TP=3;
+  TP=4 over both nodes), with the same checks;
 - TP=2 on one node in FULL (~25 s) replays FULL graphs for decode, prefill and mixed batches,
   with an all-reduce per layer inside them, on a mixture-of-experts model with expert
   parallelism (each rank computes its half of the experts, the all-reduce sums them) exported
   in W8A8.
 
-Prefills above the largest size run eagerly. A cluster too small for an engine fails at once,
-saying what was asked, what it offers and the fix. `vllm serve` on the cluster (16 concurrent
-requests), TP=2 x PP=2 in FULL_DECODE_ONLY, TP=2 in the other modes, and every layout on vLLM's
-multiprocessing executor (which runs TP=2 in test_serve.py, DP=2 x TP=2) are checked by hand
-(docs/multi_node.md#tests-and-figures)."""
+`vllm serve` on the cluster (TP=2 x PP=2, FULL_DECODE_ONLY) answers concurrent requests. Every
+engine's exit frees its NPUs (vLLM's placement group removed). Prefills above the largest size
+run eagerly. A cluster too small for an engine fails at once, saying what was asked, what it
+offers and the fix. PP on vLLM's multiprocessing executor: test_mp_executor.py; TP on it:
+test_serve.py (DP=2 x TP=2)."""
 
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -38,7 +40,9 @@ import pytest
 
 from tests.e2e.conftest import (PROMPTS, QUANTIZED, check_logprobs_close, check_plan, engine,
                                 expected_replays, free_port, graph_counts_per_rank, hf_greedy,
-                                MAX_TOKENS, model_path, platform_log, replays, vllm_greedy)
+                                MAX_TOKENS, model_path, platform_log, replays,
+                                served_completion, served_graph_counts, speculative_config,
+                                vllm_greedy, vllm_server)
 
 # The full tier only: a two-node Ray cluster and its worker processes.
 pytestmark = pytest.mark.slow
@@ -174,6 +178,7 @@ def test_tp2_x_pp2_across_two_nodes_is_close_to_tp1_with_exact_replays_on_every_
         # (a stage's streams: at most the plan's bound, see below)
         for rank, figures in enumerate(llm.collective_rpc("startup_figures")):
             check_plan(figures, f"TP=2 x PP=2 rank {rank}", exact_streams=False)
+    assert npus_free_again() == NPUS_PER_NODE * len(NODES)  # its placement group removed
     for prompt, out in zip(PROMPTS + [SHORT], outs):
         check_logprobs_close(hf_greedy(model_path("llama"), prompt, n), out,
                              f"TP=2 x PP=2 {mode} {prompt!r}")
@@ -192,6 +197,93 @@ def test_tp2_x_pp2_across_two_nodes_is_close_to_tp1_with_exact_replays_on_every_
     # projection) has no collective: 1 + 2.
     sizes = len(CAPTURE_SIZES)
     assert [c["streams_in_use"] for c in counts] == [6 * sizes] * 2 + [5 * sizes] * 2, counts
+
+
+# More layouts on the cluster, one graph mode each (each mode runs at TP=2 somewhere in this
+# module): (family, dtype, mode, speculative tokens or 0, engine arguments). Run before
+# tp2_ep_llm's engine, which holds two NPUs while its tests run.
+LAYOUTS = {
+    "TP=2 EP Qwen2-MoE FULL_DECODE_ONLY": (
+        "qwen2_moe", EP_DTYPE, "FULL_DECODE_ONLY", 0,
+        dict(tensor_parallel_size=2, enable_expert_parallel=True)),
+    "TP=2 EP DeepSeek-V2-MoE FULL_AND_PIECEWISE": (
+        "deepseek_v2_moe", EP_DTYPE, "FULL_AND_PIECEWISE", 0,
+        dict(tensor_parallel_size=2, enable_expert_parallel=True)),
+    "TP=2 EAGLE FULL_DECODE_ONLY": (
+        "llama", "bfloat16", "FULL_DECODE_ONLY", 3,
+        dict(tensor_parallel_size=2, speculative_config=speculative_config("llama", "eagle", 3))),
+    # SmolLM2's 9 query and 3 KV heads split in 3, not in 2; three workers over two nodes.
+    "TP=3 SmolLM2 FULL_DECODE_ONLY": (
+        "smollm2", "bfloat16", "FULL_DECODE_ONLY", 0, dict(tensor_parallel_size=3)),
+    "TP=4 across two nodes PIECEWISE": (
+        "llama", "bfloat16", "PIECEWISE", 0, dict(tensor_parallel_size=4)),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_layout_is_close_to_hf_with_the_replays_its_steps_call_for(cluster, layout):
+    family, dtype, mode, k, kwargs = LAYOUTS[layout]
+    sizes = [(1 + k) * m for m in CAPTURE_SIZES]  # multiples of 1 + K when speculating
+    n, tp = MAX_TOKENS, kwargs["tensor_parallel_size"]
+    with engine(model_path(family), distributed_executor_backend="ray", max_num_seqs=4,
+                dtype=dtype, compilation_config={"cudagraph_mode": mode,
+                                                 "cudagraph_capture_sizes": sizes},
+                **kwargs) as llm:
+        with replays(llm) as made:
+            outs = vllm_greedy(llm, PROMPTS, n) + vllm_greedy(llm, [SHORT], n)
+        layers, ranks = rank_layers(llm), placement(llm)
+    assert npus_free_again() == NPUS_PER_NODE * len(NODES)  # its placement group removed
+    for prompt, out in zip(PROMPTS + [SHORT], outs):
+        check_logprobs_close(hf_greedy(model_path(family), prompt, n), out,
+                             f"{layout} {prompt!r}", dtype=dtype)
+    assert len(made["ranks"]) == tp
+    kinds = {"FULL_DECODE_ONLY": {"FULL"}, "FULL_AND_PIECEWISE": {"FULL", "PIECEWISE"},
+             "PIECEWISE": {"PIECEWISE"}}[mode]
+    for rank, (made_here, layers_here) in enumerate(zip(made["ranks"], layers)):
+        expected = expected_replays(mode, made_here["steps"], layers_here, max(sizes),
+                                    decode_query_len=k + 1)
+        assert made_here["replayed"] == expected and set(expected) == kinds, (rank, made_here)
+    assert_each_on_an_npu_ray_reserved_on_its_node(ranks)
+
+
+def npus_free_again(expected: int = NPUS_PER_NODE * len(NODES)) -> float:
+    """Ray's free NPUs once an engine has stopped (its placement group removed): polled, as
+    Ray reports a removal a moment later."""
+    import ray
+
+    deadline = time.time() + 30
+    while (free := ray.available_resources().get("NPU", 0)) < expected and time.time() < deadline:
+        time.sleep(0.5)
+    return free
+
+
+def test_vllm_serve_across_two_nodes_answers_concurrent_requests_as_hf(cluster):
+    """`vllm serve` on the cluster, as docs/multi_node.md runs it (its engine core finds the
+    cluster by RAY_ADDRESS): TP=2 within each node x PP=2 across them, FULL_DECODE_ONLY. Four
+    concurrent requests answer as HF transformers; all four ranks replay the same FULL graphs;
+    the server's exit frees every NPU."""
+    n, prompts = MAX_TOKENS, [f"Request {i} of four: the answer is" for i in range(4)]
+    with vllm_server(model_path("llama"), "tiny-llama", "--distributed-executor-backend", "ray",
+                     "--tensor-parallel-size", "2", "--pipeline-parallel-size", "2",
+                     "--max-num-seqs", "4", "--max-model-len", "512",
+                     "--compilation-config", json.dumps({
+                         "cudagraph_mode": "FULL_DECODE_ONLY",
+                         "cudagraph_capture_sizes": CAPTURE_SIZES}),
+                     start_s=400) as (base, log):
+        assert "graph mode FULL_DECODE_ONLY" in log
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            outs = list(pool.map(
+                lambda p: served_completion(base, "tiny-llama", p, n), prompts))
+        counts = served_graph_counts(base)
+    for prompt, out in zip(prompts, outs):
+        check_logprobs_close(hf_greedy(model_path("llama"), prompt, n), out,
+                             f"served TP=2 x PP=2 {prompt!r}")
+    assert len(counts) == 4, counts
+    assert all(c["captured"] == {"FULL": len(CAPTURE_SIZES)} for c in counts), counts
+    replayed = [c["replayed"] for c in counts]
+    assert all(r == replayed[0] for r in replayed) and replayed[0].get("FULL", 0) > n // 2, \
+        counts
+    assert npus_free_again() == NPUS_PER_NODE * len(NODES)
 
 
 @pytest.fixture(scope="module")

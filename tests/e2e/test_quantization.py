@@ -3,11 +3,9 @@ Qwen3 load without a flag and stay close to the fp32 reference that applies the 
 quantization (w8a8_reference.py), with the graphs each mode calls for replayed; a malformed
 export fails at load with the layer's name and the fix.
 
-Modes: every scheme runs eagerly, in PIECEWISE pieces and in FULL graphs somewhere in the suite:
-here Qwen3's static W8A8 export in NONE and FULL_AND_PIECEWISE, its W8A8_DYNAMIC export in
-FULL_DECODE_ONLY, the Llama W8A8_DYNAMIC export in NONE; test_graph_modes.py runs the Llama exports
-in PIECEWISE (dynamic) and FULL (static) through all its checks; test_parallel.py runs a mixed
-Qwen2-MoE export at TP=2; test_torch_npu_calls.py checks every quantized call's shape."""
+Modes: each scheme runs in every graph mode (the CASES below, with test_graph_modes.py's Llama
+exports in PIECEWISE and FULL through all its checks); test_parallel.py runs a mixed Qwen2-MoE
+export at TP=2; test_torch_npu_calls.py checks every quantized call's shape."""
 
 import json
 import pathlib
@@ -18,8 +16,14 @@ import pytest
 from tests.e2e.conftest import (PROMPTS, QUANTIZED, check_logprobs_close, engine, expected_replays,
                                 hf_greedy, MAX_TOKENS, model_path, replays, vllm_greedy)
 
-CASES = [("qwen3-w8a8", "NONE"), ("qwen3-w8a8", "FULL_AND_PIECEWISE"),
-         ("qwen3-w8a8-dynamic", "FULL_DECODE_ONLY"), ("llama-w8a8-dynamic", "NONE")]
+# Both schemes in every mode: Qwen3's static export in all five, Llama's dynamic export in all
+# but PIECEWISE (test_graph_modes.py runs it there, and the static one in FULL), Qwen3's dynamic
+# export in FULL_DECODE_ONLY.
+CASES = ([("qwen3-w8a8", m) for m in ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY",
+                                      "FULL_AND_PIECEWISE")]
+         + [("qwen3-w8a8-dynamic", "FULL_DECODE_ONLY")]
+         + [("llama-w8a8-dynamic", m) for m in ("NONE", "FULL", "FULL_DECODE_ONLY",
+                                                "FULL_AND_PIECEWISE")])
 CAPTURE_SIZES = [1, 2, 4]
 SHORT = "Hi there"  # a prefill within the largest capture size: PIECEWISE pieces replay for it
 
@@ -46,9 +50,9 @@ def test_an_export_runs_quantized_and_close_to_its_reference(quantized_llm):
     layers = llm.llm_engine.vllm_config.model_config.hf_config.num_hidden_layers
     expected = expected_replays(mode, made["steps"], layers, max(CAPTURE_SIZES))
     assert made["replayed"] == expected, made
-    if mode != "NONE":
+    if mode not in ("NONE", "PIECEWISE"):
         assert expected.get("FULL"), made  # decode steps replayed FULL graphs
-    if mode == "FULL_AND_PIECEWISE":
+    if mode in ("PIECEWISE", "FULL_AND_PIECEWISE"):
         assert expected.get("PIECEWISE"), made  # the short prefill's pieces
 
 

@@ -15,10 +15,9 @@ from scripts.models import quantized_model_dir, tiny_model_dir
 TOKENS = 8
 CAPTURE_SIZES = [1, 2, 4]
 LAYERS = 2
-# FULL_AND_PIECEWISE (the default: PIECEWISE prefills, FULL decodes) in the suite; every mode by
-# hand through this test function (docs/sleep_mode.md#tests): what sleep does to memory is the
-# same for every graph a mode captures.
-MODES = ["FULL_AND_PIECEWISE"]
+# Every mode: each captures other graphs (pieces, FULL graphs of mixed or decode batches, or
+# none) that must read the memory sleep gave back at the same addresses.
+MODES = ["NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]
 
 
 def generate(llm, mode: str) -> list:

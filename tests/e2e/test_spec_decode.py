@@ -7,7 +7,8 @@ import pytest
 
 from tests.e2e.conftest import (PROMPTS, chip_cost_per_decode_step, check_logprobs_close,
                                 engine, expected_replays, graph_counts, hf_greedy, MAX_TOKENS,
-                                model_path, replays, speculative_config, vllm_greedy)
+                                model_path, platform_log, replays, speculative_config,
+                                vllm_greedy)
 from vllm_ascend.device.sim.ledger import PLUGIN_SYNCS, REPLAYS, UPDATES
 
 MAX_NUM_SEQS = 4
@@ -18,16 +19,20 @@ MAX_NUM_SEQS = 4
 # PIECEWISE (verify steps in pieces), Qwen3's draft model and DeepSeek-V3's MTP layer in
 # FULL_DECODE_ONLY (both with a verify batch padded by whole fake requests). Qwen2 and Qwen3 run
 # one method each. MTP (MLA, verify steps on FIA's TND layout in FULL graphs) drafts 2 tokens a
-# step; its random weights draft tokens the target rejects, so the output must not change. By
-# hand: EAGLE in FULL_DECODE_ONLY, MTP with 1 token and in FULL_AND_PIECEWISE
-# (docs/speculative_decoding.md).
+# step in FULL_DECODE_ONLY and 1 in FULL_AND_PIECEWISE; EAGLE runs in FULL_DECODE_ONLY too. Their
+# random weights draft tokens the target rejects, so the output must not change. Accepted drafts
+# on MLA's latent cache (the KV of accepted tokens, the positions after them): DeepSeek-V2
+# drafting for itself in FULL_DECODE_ONLY.
 # (SmolLM2's n-gram acceptance on a repetitive prompt is measured by benchmarks/spec_decode.py.)
 CASES = ([("llama", "ngram", 3, "FULL"),
           ("llama", "draft_model", 2, "NONE"), ("llama", "draft_model", 2, "FULL_AND_PIECEWISE")]
-         + [("llama", "eagle", 4, m) for m in ("PIECEWISE", "FULL_AND_PIECEWISE")]
+         + [("llama", "eagle", 4, m) for m in ("PIECEWISE", "FULL_DECODE_ONLY",
+                                               "FULL_AND_PIECEWISE")]
          + [("qwen2", "ngram", 1, "FULL_AND_PIECEWISE"),
             ("qwen3", "draft_model", 1, "FULL_DECODE_ONLY"),
-            ("deepseek_v3_mtp", "mtp", 2, "FULL_DECODE_ONLY")])
+            ("deepseek_v3_mtp", "mtp", 2, "FULL_DECODE_ONLY"),
+            ("deepseek_v3_mtp", "mtp", 1, "FULL_AND_PIECEWISE"),
+            ("deepseek_v2", "draft_model", 2, "FULL_DECODE_ONLY")])
 REPETITIVE = "1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2,"
 
 
@@ -41,14 +46,26 @@ def spec_llm(request):
     family, method, k, mode = request.param
     graphs = ({"enforce_eager": True} if mode == "NONE"
               else {"compilation_config": {"cudagraph_mode": mode}})
-    with engine(model_path(family), max_num_seqs=MAX_NUM_SEQS, disable_log_stats=False,
-                speculative_config=speculative_config(family, method, k), **graphs) as llm:
+    with platform_log() as log, engine(
+            model_path(family), max_num_seqs=MAX_NUM_SEQS, disable_log_stats=False,
+            speculative_config=speculative_config(family, method, k), **graphs) as llm:
+        # Async scheduling off: by vLLM's own rule for n-gram, by the platform for the others,
+        # saying why (FIA needs exact host KV lengths).
+        assert not llm.llm_engine.vllm_config.scheduler_config.async_scheduling
+        assert llm.llm_engine.engine_core.engine_core.batch_queue is None
+        assert any("async scheduling turned off: speculative decoding needs exact host KV "
+                   "lengths" in line for line in log) == (method != "ngram"), log
         yield family, method, k, mode, llm
 
 
 def draft_layers(llm) -> int:
+    """The drafter's decoder layers: an MTP drafter's config is the target's, whose
+    num_nextn_predict_layers it runs."""
     draft = llm.llm_engine.vllm_config.speculative_config.draft_model_config
-    return draft.hf_config.num_hidden_layers if draft is not None else 0
+    if draft is None:
+        return 0
+    return getattr(draft.hf_config, "num_nextn_predict_layers", None) or \
+        draft.hf_config.num_hidden_layers
 
 
 def test_capture_sizes_are_multiples_of_k_plus_1_and_the_drafter_captures(spec_llm):
@@ -135,6 +152,10 @@ def test_draft_steps_add_no_blocking_sync_and_no_task_update(spec_llm):
     if method == "ngram":
         pytest.skip("n-gram drafts on the host: it has no draft steps on the device, and its "
                     "verify step's graph depends on whether the text repeats")
+    if family == "deepseek_v2":
+        pytest.skip("its drafts are accepted, and how many a step takes moves this per-step "
+                    "ledger (measured: 0 and 2 plugin waits a step in two runs); DeepSeek's "
+                    "drafting steps are ledgered by its MTP case")
     layers = llm.llm_engine.vllm_config.model_config.hf_config.num_hidden_layers
     full_verify = mode in ("FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
     verify_replays = 1 if full_verify else (layers + 1 if mode == "PIECEWISE" else 0)
