@@ -1,7 +1,8 @@
 """Check a mixture-of-experts model with data parallelism in a graph mode the suite does not
-serve it in (it serves FULL_AND_PIECEWISE: tests/e2e/test_serve.py, test_defaults.py): `vllm serve --data-parallel-size 2 --enable-expert-parallel` (vLLM 0.32 refuses
-data parallelism in one LLM process), four concurrent requests against HF transformers under the
-logprob-closeness rule, one request pinned to DP rank 0 while rank 1 idles, and DP engine 0's
+serve it in (it serves FULL_AND_PIECEWISE: tests/e2e/test_serve.py, test_defaults.py): `vllm
+serve --data-parallel-size 2 --enable-expert-parallel` (vLLM 0.32 refuses data parallelism in
+one LLM process), four concurrent requests against HF transformers under the logprob-closeness
+rule, one request pinned to DP rank 0 while rank 1 idles, and DP engine 0's
 workers' graph counts.
 
     python scripts/check_data_parallel.py --mode FULL_DECODE_ONLY

@@ -160,6 +160,17 @@ def test_a_cluster_without_enough_npus_fails_at_once_saying_what_and_how(cluster
     assert ray.available_resources().get("NPU") == 4
 
 
+def npus_free_again(expected: int = NPUS_PER_NODE * len(NODES)) -> float:
+    """Ray's free NPUs once an engine has stopped (its placement group removed): polled, as
+    Ray reports a removal a moment later."""
+    import ray
+
+    deadline = time.time() + 30
+    while (free := ray.available_resources().get("NPU", 0)) < expected and time.time() < deadline:
+        time.sleep(0.5)
+    return free
+
+
 def test_tp2_x_pp2_across_two_nodes_is_close_to_tp1_with_exact_replays_on_every_rank(cluster):
     """TP=2 within each node x PP=2 across them, in FULL_AND_PIECEWISE: greedy output close to
     HF transformers (TP=1); on all four ranks exactly the FULL
@@ -244,17 +255,6 @@ def test_a_layout_is_close_to_hf_with_the_replays_its_steps_call_for(cluster, la
                                     decode_query_len=k + 1)
         assert made_here["replayed"] == expected and set(expected) == kinds, (rank, made_here)
     assert_each_on_an_npu_ray_reserved_on_its_node(ranks)
-
-
-def npus_free_again(expected: int = NPUS_PER_NODE * len(NODES)) -> float:
-    """Ray's free NPUs once an engine has stopped (its placement group removed): polled, as
-    Ray reports a removal a moment later."""
-    import ray
-
-    deadline = time.time() + 30
-    while (free := ray.available_resources().get("NPU", 0)) < expected and time.time() < deadline:
-        time.sleep(0.5)
-    return free
 
 
 def test_vllm_serve_across_two_nodes_answers_concurrent_requests_as_hf(cluster):

@@ -4,10 +4,10 @@ Between ``capture_begin`` and ``capture_end`` the ops run once, eagerly, under a
 recorder, except the matrix products and attention, which are recorded unrun, as the chip records
 a captured task (``_UNRUN``, ``ops.CAPTURING``: the host-side checks run, the output holds garbage
 until a replay). Each device op is kept with its tensor arguments by identity and every other
-argument (ints, lists, floats) by value. Ops implemented in Python (vLLM's attention and KV-update custom
-ops, which read the forward context) are not recorded whole: their CPU kernel runs under the
-recorder, so the device ops they issue are what is recorded. At ``capture_end`` the record is
-frozen as a graph pool would leave it:
+argument (ints, lists, floats) by value. Ops implemented in Python (vLLM's attention and
+KV-update custom ops, which read the forward context) are not recorded whole: their CPU kernel
+runs under the recorder, so the device ops they issue are what is recorded. At ``capture_end``
+the record is frozen as a graph pool would leave it:
 
 * tensors made outside the graph (inputs, weights, the KV cache) are read at their addresses;
 * every storage the graph made moves into its pool (``GraphPool``: a caching allocator's private
@@ -52,6 +52,7 @@ _COPIES = {torch.ops.aten.contiguous.default, torch.ops.aten.clone.default}
 
 
 def _product_shape(a, b):
+    """(shape, dtype) of ``a @ b`` (mm, bmm), or None where the kernel should run."""
     if (type(a) is torch.Tensor and type(b) is torch.Tensor and a.dtype == b.dtype
             and a.is_floating_point() and a.dim() == b.dim() and a.dim() in (2, 3)
             and a.shape[-1] == b.shape[-2] and a.shape[:-2] == b.shape[:-2]):
@@ -63,12 +64,8 @@ def _product_shape(a, b):
 # records a captured task (it runs at replay only): their result is garbage until a replay fills
 # it, so code that reads a capture's output sees garbage here too. Shapes the kernel would refuse
 # run and raise as before.
-_UNRUN = {torch.ops.aten.mm.default: lambda a, b: _product_shape(a, b),
-          torch.ops.aten.bmm.default: lambda a, b: _product_shape(a, b),
-          torch.ops.aten.addmm.default: lambda bias, a, b, **kw: _biased_shape(bias, a, b)}
-
-
-def _biased_shape(bias, a, b):
+def _biased_shape(bias, a, b, **scales):
+    """The same for addmm (``bias`` broadcast to the product's shape)."""
     result = _product_shape(a, b)
     if result is None or type(bias) is not torch.Tensor or bias.dtype != a.dtype:
         return None
@@ -76,6 +73,10 @@ def _biased_shape(bias, a, b):
         return result if torch.broadcast_shapes(bias.shape, result[0]) == result[0] else None
     except RuntimeError:
         return None
+
+
+_UNRUN = {torch.ops.aten.mm.default: _product_shape, torch.ops.aten.bmm.default: _product_shape,
+          torch.ops.aten.addmm.default: _biased_shape}
 
 
 class GraphCaptureError(RuntimeError):

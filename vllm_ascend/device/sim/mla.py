@@ -9,8 +9,8 @@ import torch
 from torch.library import Library
 
 from vllm_ascend.device.sim.ops import (ATTEN_MASK_SIZE, CAPTURING, FIA_DTYPES, FIA_MAX_BATCH,
-                                        PARAM_INVALID, TILING_ERROR, AscendOpError, _check_causal_mask,
-                                        _require_contiguous, _sampling)
+                                        PARAM_INVALID, TILING_ERROR, AscendOpError,
+                                        _check_causal_mask, _require_contiguous, _sampling)
 
 _lib = Library("ascend_sim", "FRAGMENT")
 

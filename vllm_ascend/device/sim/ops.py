@@ -24,6 +24,10 @@ _lib = Library("ascend_sim", "DEF")
 FIA_MAX_BATCH = 4096  # actual_seq_lengths(_kv) entries the chip accepts
 ATTEN_MASK_SIZE = 2048  # sparse_mode 3/4 take the compressed 2048x2048 causal mask
 INT32_MAX = 2147483647
+TILING_ERROR = 561002  # ACLNN_ERR_INNER_TILING_ERROR: a host-side shape or value check
+PARAM_INVALID = 161002  # ACLNN_ERR_PARAM_INVALID: dtype or format
+FIA_DTYPES = (torch.float16, torch.bfloat16)
+MASK_DTYPES = (torch.bool, torch.int8, torch.uint8)
 
 
 class _Capturing(threading.local):
@@ -40,10 +44,6 @@ class _Capturing(threading.local):
 # host-side checks, as the chip's tiling does at capture, and leave garbage in the output, as a
 # captured task runs at replay only. The capture of a FULL graph cost twice its attention before.
 CAPTURING = _Capturing()
-TILING_ERROR = 561002  # ACLNN_ERR_INNER_TILING_ERROR: a host-side shape or value check
-PARAM_INVALID = 161002  # ACLNN_ERR_PARAM_INVALID: dtype or format
-FIA_DTYPES = (torch.float16, torch.bfloat16)
-MASK_DTYPES = (torch.bool, torch.int8, torch.uint8)
 
 
 class AscendOpError(RuntimeError):
