@@ -20,7 +20,11 @@ CLASSES = {"qwen3_moe": "AscendQwen3MoeForCausalLM", "qwen2_moe": "AscendQwen2Mo
 # Qwen3-MoE (top-k renormalised) in float16 (routing ties, docs/moe.md#tests-and-figures);
 # Qwen2-MoE (a gated shared expert, no renormalisation) in bfloat16. Both in every graph mode.
 DTYPES = {"qwen3_moe": "float16", "qwen2_moe": "bfloat16"}
-CASES = [(family, m) for family in DTYPES for m in MODES]
+# The quick tier keeps Qwen3-MoE in the modes whose graphs hold MoE layers for every batch kind
+# (FULL, FULL_DECODE_ONLY, FULL_AND_PIECEWISE); the rest run in the full tier.
+QUICK = {("qwen3_moe", m) for m in ("FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")}
+CASES = [pytest.param(family, m, marks=() if (family, m) in QUICK else pytest.mark.slow)
+         for family in DTYPES for m in MODES]
 
 
 @pytest.mark.parametrize("family,mode", CASES)

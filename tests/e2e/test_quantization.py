@@ -19,11 +19,15 @@ from tests.e2e.conftest import (PROMPTS, QUANTIZED, check_logprobs_close, engine
 # Both schemes in every mode: Qwen3's static export in all five, Llama's dynamic export in all
 # but PIECEWISE (test_graph_modes.py runs it there, and the static one in FULL), Qwen3's dynamic
 # export in FULL_DECODE_ONLY.
-CASES = ([("qwen3-w8a8", m) for m in ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY",
-                                      "FULL_AND_PIECEWISE")]
-         + [("qwen3-w8a8-dynamic", "FULL_DECODE_ONLY")]
-         + [("llama-w8a8-dynamic", m) for m in ("NONE", "FULL", "FULL_DECODE_ONLY",
-                                                "FULL_AND_PIECEWISE")])
+# The quick tier keeps each scheme eagerly and in one graph mode; the others run in the full tier.
+QUICK = {("qwen3-w8a8", "NONE"), ("qwen3-w8a8", "FULL_AND_PIECEWISE"),
+         ("qwen3-w8a8-dynamic", "FULL_DECODE_ONLY"), ("llama-w8a8-dynamic", "NONE")}
+CASES = [pytest.param(case, marks=() if case in QUICK else pytest.mark.slow) for case in (
+    [("qwen3-w8a8", m) for m in ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY",
+                                 "FULL_AND_PIECEWISE")]
+    + [("qwen3-w8a8-dynamic", "FULL_DECODE_ONLY")]
+    + [("llama-w8a8-dynamic", m) for m in ("NONE", "FULL", "FULL_DECODE_ONLY",
+                                           "FULL_AND_PIECEWISE")])]
 CAPTURE_SIZES = [1, 2, 4]
 SHORT = "Hi there"  # a prefill within the largest capture size: PIECEWISE pieces replay for it
 

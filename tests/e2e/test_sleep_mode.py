@@ -17,7 +17,9 @@ CAPTURE_SIZES = [1, 2, 4]
 LAYERS = 2
 # Every mode: each captures other graphs (pieces, FULL graphs of mixed or decode batches, or
 # none) that must read the memory sleep gave back at the same addresses.
-MODES = ["NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]
+# The quick tier keeps FULL_AND_PIECEWISE (vLLM's default); the others run in the full tier.
+MODES = [pytest.param(m, marks=pytest.mark.slow)
+         for m in ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY")] + ["FULL_AND_PIECEWISE"]
 
 
 def generate(llm, mode: str) -> list:

@@ -26,13 +26,14 @@ MAX_NUM_SEQS = 4
 # (SmolLM2's n-gram acceptance on a repetitive prompt is measured by benchmarks/spec_decode.py.)
 CASES = ([("llama", "ngram", 3, "FULL"),
           ("llama", "draft_model", 2, "NONE"), ("llama", "draft_model", 2, "FULL_AND_PIECEWISE")]
-         + [("llama", "eagle", 4, m) for m in ("PIECEWISE", "FULL_DECODE_ONLY",
-                                               "FULL_AND_PIECEWISE")]
+         + [("llama", "eagle", 4, m) for m in ("PIECEWISE", "FULL_AND_PIECEWISE")]
          + [("qwen2", "ngram", 1, "FULL_AND_PIECEWISE"),
             ("qwen3", "draft_model", 1, "FULL_DECODE_ONLY"),
-            ("deepseek_v3_mtp", "mtp", 2, "FULL_DECODE_ONLY"),
-            ("deepseek_v3_mtp", "mtp", 1, "FULL_AND_PIECEWISE"),
-            ("deepseek_v2", "draft_model", 2, "FULL_DECODE_ONLY")])
+            ("deepseek_v3_mtp", "mtp", 2, "FULL_DECODE_ONLY")]
+         + [pytest.param(c, marks=pytest.mark.slow) for c in (  # the full tier only
+             ("llama", "eagle", 4, "FULL_DECODE_ONLY"),
+             ("deepseek_v3_mtp", "mtp", 1, "FULL_AND_PIECEWISE"),
+             ("deepseek_v2", "draft_model", 2, "FULL_DECODE_ONLY"))])
 REPETITIVE = "1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2,"
 
 
