@@ -18,9 +18,9 @@ MODES = ["PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]
 MAX_NUM_SEQS = 8
 # Llama in PIECEWISE, FULL and FULL_AND_PIECEWISE: what a mode does is family-independent (the
 # family's model file runs inside the same graphs), and FULL_DECODE_ONLY's graphs are
-# FULL_AND_PIECEWISE's FULL ones (the MoE families run it, in test_moe.py). The Qwen families against
-# HF: test_spec_decode.py (Qwen2 and Qwen3, in graph modes) and test_moe.py (Qwen3-MoE in
-# float16, the other dtype FIA computes in); DeepSeek: test_mla.py. SmolLM2's real weights in
+# FULL_AND_PIECEWISE's FULL ones (the MoE families run it, in test_moe.py). The Qwen families
+# against HF: test_spec_decode.py (Qwen2 and Qwen3, in graph modes) and test_moe.py (Qwen3-MoE
+# in float16, the other dtype FIA computes in); DeepSeek: test_mla.py. SmolLM2's real weights in
 # graph mode against HF: test_defaults.py (every mode) and test_parallel.py (TP=3).
 # A mode does the same to a quantized model's layers (their operators run inside the pieces and
 # graphs like any other), so PIECEWISE and FULL run the W8A8 exports of the tiny Llama: every
