@@ -325,8 +325,9 @@ def test_a_capture_records_products_and_attention_unrun_and_the_replay_computes_
     w, x = torch.randn(16, 16, dtype=BF16), torch.randn(32, 16, dtype=BF16)
 
     def products(a, b):
-        return torch.mm(a, b), torch.addmm(b[0], a, b), torch.bmm(a.view(2, 16, 16),
-                                                                  b.expand(2, 16, 16))
+        return (torch.mm(a, b), torch.addmm(b[0], a, b),
+                torch.bmm(a.view(2, 16, 16), b.expand(2, 16, 16)),
+                torch.nn.functional.linear(a, torch.nn.Parameter(b, requires_grad=False), b[0]))
     g, out = capture(products, x, w)
     real = products(x, w)
     assert not any(torch.equal(o, r) for o, r in zip(out, real))

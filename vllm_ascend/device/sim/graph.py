@@ -51,9 +51,14 @@ _ALIGN = 64
 _COPIES = {torch.ops.aten.contiguous.default, torch.ops.aten.clone.default}
 
 
+def _plain(*tensors) -> bool:
+    """Plain tensors or parameters (weights), not subclasses that run code of their own."""
+    return all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors)
+
+
 def _product_shape(a, b):
     """(shape, dtype) of ``a @ b`` (mm, bmm), or None where the kernel should run."""
-    if (type(a) is torch.Tensor and type(b) is torch.Tensor and a.dtype == b.dtype
+    if (_plain(a, b) and a.dtype == b.dtype
             and a.is_floating_point() and a.dim() == b.dim() and a.dim() in (2, 3)
             and a.shape[-1] == b.shape[-2] and a.shape[:-2] == b.shape[:-2]):
         return (*a.shape[:-1], b.shape[-1]), a.dtype
@@ -67,7 +72,7 @@ def _product_shape(a, b):
 def _biased_shape(bias, a, b, **scales):
     """The same for addmm (``bias`` broadcast to the product's shape)."""
     result = _product_shape(a, b)
-    if result is None or type(bias) is not torch.Tensor or bias.dtype != a.dtype:
+    if result is None or not _plain(bias) or bias.dtype != a.dtype:
         return None
     try:
         return result if torch.broadcast_shapes(bias.shape, result[0]) == result[0] else None
@@ -75,8 +80,19 @@ def _biased_shape(bias, a, b, **scales):
         return None
 
 
+def _linear_shape(x, weight, bias=None):
+    """The same for linear, ``x @ weight.T + bias`` (vLLM's unquantized layers call it whole)."""
+    if x.dim() < 1 or weight.dim() != 2:
+        return None
+    result = _product_shape(x.reshape(-1, x.shape[-1]), weight.t())
+    if result is None or (bias is not None and (not _plain(bias) or bias.dtype != x.dtype
+                                                or bias.shape != weight.shape[:1])):
+        return None
+    return (*x.shape[:-1], weight.shape[0]), x.dtype
+
+
 _UNRUN = {torch.ops.aten.mm.default: _product_shape, torch.ops.aten.bmm.default: _product_shape,
-          torch.ops.aten.addmm.default: _biased_shape}
+          torch.ops.aten.addmm.default: _biased_shape, torch.ops.aten.linear.default: _linear_shape}
 
 
 class GraphCaptureError(RuntimeError):
