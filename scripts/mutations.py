@@ -114,6 +114,14 @@ MUTATIONS = [
              "                                          pertoken_scale=scale, bias=bias,",
              "                                          pertoken_scale=scale.mean().expand_as("
              "scale), bias=bias,", ("tests/e2e/test_quantization.py",)),
+    Mutation("w8a8-norm-quant-unfused", "the norm before a static W8A8 layer leaves the "
+             "activation's quantization to a kernel of its own (one launch more per norm)",
+             "vllm_ascend/quantization/w8a8.py",
+             "        y, _, added = torch_npu.npu_add_rms_norm_quant(\n"
+             "            x, residual, gamma, layer.aclnn_input_scale, layer.aclnn_input_offset, "
+             "epsilon=eps)",
+             "        y, _, added = torch_npu.npu_add_rms_norm(x, residual, gamma, eps)",
+             ("tests/e2e/test_quantization.py", "-k", "norms_quantize")),
     Mutation("add-rms-norm-residual-lost", "the residual stream skips the fused add",
              "vllm_ascend/ops/layernorm.py",
              "        x, _, residual = torch_npu.npu_add_rms_norm(x, residual, self.weight,\n"

@@ -111,6 +111,9 @@ def test_the_ledger_counts_launches_outside_replays_syncs_and_staged_copies():
         y.sum().item()  # a launch and a host read
         npu.synchronize()
     assert dict(ledger.counts) == {LAUNCHES: 2, REPLAYS: 2, SYNCS: 2, H2D: 1}
+    # ... and which kernels the replays ran: the graph's own, twice, and nothing run eagerly
+    assert ledger.replayed_ops["aten::matmul"] == ledger.replayed_ops["aten::silu"] == 2
+    assert ledger.replayed_ops["aten::sum"] == 0
 
 
 def test_a_weak_reference_reads_poison_once_its_owner_is_released():
