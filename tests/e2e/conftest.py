@@ -498,9 +498,10 @@ def vllm_server(model: str, name: "str | None", *args: str, start_s: int = 300,
         log.close()
 
 
-def served_rpc(base: str, method: str) -> list:
+def served_rpc(base: str, method: str, **kwargs) -> list:
     """What each worker of a dev-mode server's first DP engine answers to ``method``."""
-    r = requests.post(f"{base}/collective_rpc", json={"method": method}, timeout=60)
+    r = requests.post(f"{base}/collective_rpc", json={"method": method, "kwargs": kwargs},
+                      timeout=60)
     assert r.status_code == 200, r.text
     return r.json()["results"]
 

@@ -237,6 +237,24 @@ def test_a_load_pinned_to_one_rank_finishes_and_the_idle_rank_still_answers(serv
     assert finished_per_engine(base)["1"] == middle["1"] + 1
 
 
+def test_the_idle_rank_runs_the_busy_ranks_padded_size_in_lockstep(server):
+    """Three requests pinned to rank 1 while rank 0 has none: rank 0 runs a dummy batch (one
+    token) every step, through the graph of rank 1's step: when rank 1 decodes all three, the
+    FULL graph of size 4 they are padded to, and when it prefills, a PIECEWISE graph of the size
+    its prompt tokens are padded to. An idle rank that ran its own size (1) would leave rank 1's
+    MoE all-gather waiting for tokens it never sends."""
+    base, _ = server
+    replays_once_idle(base)
+    served_rpc(base, "recent_steps", clear=True)
+    prompts = [f"Rank one alone, request {i}:" for i in range(3)]
+    answers_as_hf(base, prompts, headers={"X-data-parallel-rank": "1"})
+    for rank, steps in enumerate(served_rpc(base, "recent_steps")):  # DP engine 0's workers
+        assert steps and all((s["num_tokens"], s["num_reqs"]) == (1, 1) for s in steps), steps
+        ran = collections.Counter((s["mode"], s["num_tokens_padded"]) for s in steps)
+        assert ran[("FULL", 4)] >= 1, (rank, ran)  # rank 1's three decodes
+        assert any(mode == "PIECEWISE" and size >= 8 for mode, size in ran), (rank, ran)
+
+
 def test_vllm_bench_serve_measures_the_server(server):
     """`vllm bench serve`, in this process: its subcommand's arguments, and the function its
     command runs (vllm.benchmarks.serve.main), which returns the figures it prints."""

@@ -273,6 +273,18 @@ class NPUWorker(Worker):
         return {**self.model_runner.graph_state.counts(),
                 "streams_in_use": device.current.streams_in_use()}
 
+    def recent_steps(self, clear: bool = False) -> list[dict]:
+        """This worker's latest steps (up to 1024) as the runner padded them: runtime mode,
+        scheduled tokens and requests, and the tokens the forward ran (with data parallelism,
+        the size the DP ranks agreed on). For ``collective_rpc("recent_steps")``; ``clear``
+        starts a new record."""
+        steps = self.model_runner.graph_state.recent_steps
+        record = [{"mode": s.mode.name, "num_tokens": s.num_tokens, "num_reqs": s.num_reqs,
+                   "num_tokens_padded": s.num_tokens_padded} for s in steps]
+        if clear:
+            steps.clear()
+        return record
+
     def device_memory(self) -> dict:
         """This worker's device memory now, for ``collective_rpc("device_memory")``: bytes in
         use on its device, and with sleep mode, its pools' bytes per tag (mapped, asleep) and
