@@ -56,6 +56,7 @@ def _tokenizer_dir() -> pathlib.Path:
 
 
 LM_HEAD_SCALE = 8.0
+TINY_LAYERS = 2
 
 
 def tiny_model_dir(family: str, dtype: str = "float32", seed: int = 1234) -> str:
@@ -113,7 +114,7 @@ def _tiny_config(family: str, dtype: str = "float32", **overrides):
     tok = transformers.AutoTokenizer.from_pretrained(_tokenizer_dir())
     config = getattr(transformers, config_cls)(**{
         "vocab_size": len(tok), "hidden_size": 128, "intermediate_size": 256,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "num_hidden_layers": TINY_LAYERS, "num_attention_heads": 4, "num_key_value_heads": 2,
         "max_position_embeddings": 1024, "tie_word_embeddings": False, "torch_dtype": dtype,
         "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, **extra,
         **overrides})
@@ -132,6 +133,32 @@ def config_only_dir(family: str, **overrides) -> str:
         config.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         tmp.rename(path)
+    return str(path)
+
+
+def agreeing_mtp_dir(family: str) -> str:
+    """The tiny ``family`` model (with MTP layers) whose MTP layer agrees with it: its
+    ``eh_proj`` fitted by fit_draft_projection, its decoder block's output projections zero
+    (attention and MLP add nothing), so the target accepts its drafts on the fitted prompts."""
+    import shutil
+
+    import safetensors.torch
+
+    source = pathlib.Path(tiny_model_dir(family))
+    path = CACHE / "models" / f"{source.name}-agreeing-v5"
+    if (path / "config.json").exists():
+        return str(path)
+    tmp = path.with_suffix(".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(source, tmp)
+    weights = safetensors.torch.load_file(str(tmp / "model.safetensors"))
+    prefix = f"model.layers.{TINY_LAYERS}."  # the first MTP layer
+    weights[prefix + "eh_proj.weight"] = fit_draft_projection(
+        str(source), normalise_inputs=True).to(weights[prefix + "eh_proj.weight"].dtype)
+    for name in ("self_attn.o_proj", "mlp.down_proj"):
+        weights[f"{prefix}{name}.weight"].zero_()
+    safetensors.torch.save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    tmp.rename(path)
     return str(path)
 
 
@@ -205,10 +232,69 @@ def smollm2_dir() -> pathlib.Path:
     return path
 
 
-def eagle_head_dir(target: str) -> str:
-    """A random-weight EAGLE head (one decoder layer and the `fc` that mixes the token embedding
-    with the target's hidden state) in the target Llama model's EAGLE layout, saved once.
-    vLLM loads it as EagleLlamaForCausalLM and shares the target's embedding and LM head."""
+# The prompts an agreeing draft head is fitted on, and the suite drafts on: the candidates whose
+# greedy continuations (16 tokens) by the tiny DeepSeek-V3 have the largest smallest top-two gap
+# (0.67, 0.29, 0.15 nats; the suite's PROMPTS reach 0.04-0.05, near-ties where a bfloat16
+# engine may part from HF's float32 path, and a head fitted on that path drafts off it).
+FIT_PROMPTS = ["The quick brown fox", "My favourite colour is", "The weather today is"]
+FIT_TOKENS = 24
+
+
+def fit_draft_projection(target: str, normalise_inputs: bool = False):
+    """A draft head that agrees with ``target``: the [embedding; hidden] -> hidden projection
+    (EAGLE's ``fc``, MTP's ``eh_proj``) fitted by least squares so that, from the embedding of
+    token i+1 and the target's final (normed) hidden state at i, it gives the target's hidden
+    state at i+1, on the target's greedy continuations of FIT_PROMPTS. With the head's decoder
+    layer adding nothing (its output projections zero), the head's logits are then the target's
+    next ones on those paths, and a draft chained on its own output stays on them. The samples
+    come from the target run in float32 and in bfloat16 (2 x 3 x 24, fewer than the 2 x hidden
+    inputs): the fit interpolates both, so the rounding of a bfloat16 engine moves it little
+    (measured on the tiny Llama: the next token right at 98.6% of the bfloat16 positions, against
+    91% fitted on float32 alone). MTP normalises both inputs first (``enorm``, ``hnorm``: the
+    hidden state it is given, the target's or its own, need not be normed)."""
+    import torch
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(target)
+    model = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    eps = model.config.rms_norm_eps
+
+    def rms(t):
+        return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps)
+
+    inputs, outputs, paths = [], [], {}  # greedy path -> its prompt's length
+    for dtype in (torch.float32, torch.bfloat16):
+        model.to(dtype)
+        embed = model.get_input_embeddings().weight.float()
+        with torch.no_grad():
+            for prompt in FIT_PROMPTS:  # each dtype's own greedy paths, and the float32 ones
+                ids = tok(prompt, return_tensors="pt").input_ids
+                seq = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                     max_new_tokens=FIT_TOKENS, min_new_tokens=FIT_TOKENS,
+                                     eos_token_id=None, pad_token_id=tok.pad_token_id or 0)[0]
+                paths[tuple(seq.tolist())] = ids.shape[1]
+            for seq, prompt_len in paths.items():
+                seq = torch.tensor(seq)
+                hidden = model.model(seq[None]).last_hidden_state[0].float()
+                if normalise_inputs:
+                    hidden = rms(hidden)
+                for i in range(prompt_len - 1, len(seq) - 1):
+                    e = embed[seq[i + 1]]
+                    inputs.append(torch.cat([rms(e) if normalise_inputs else e, hidden[i]]))
+                    outputs.append(hidden[i + 1])
+    x, y = torch.stack(inputs).double(), torch.stack(outputs).double()
+    gram = x @ x.T
+    ridge = 1e-5 * gram.diagonal().mean() * torch.eye(len(x), dtype=x.dtype)
+    return (x.T @ torch.linalg.solve(gram + ridge, y)).T.float().contiguous()  # [hidden, 2h]
+
+
+def eagle_head_dir(target: str, agreeing: bool = False) -> str:
+    """An EAGLE head (one decoder layer and the `fc` that mixes the token embedding with the
+    target's hidden state) in the target Llama model's EAGLE layout, saved once: random weights,
+    whose drafts the target rejects, or ``agreeing``: `fc` fitted by fit_draft_projection and
+    the layer's output projections zero, so that the target accepts its drafts on the fitted
+    prompts. vLLM loads it as EagleLlamaForCausalLM and shares the target's embedding and LM
+    head."""
     import json
 
     import safetensors.torch
@@ -216,7 +302,8 @@ def eagle_head_dir(target: str) -> str:
     import transformers
 
     target_path = pathlib.Path(target)
-    path = CACHE / "models" / f"eagle-head-{target_path.name}-v1"
+    path = CACHE / "models" / (f"eagle-head-{target_path.name}-agreeing-v4" if agreeing
+                               else f"eagle-head-{target_path.name}-v1")
     if (path / "config.json").exists():
         return str(path)
     config = transformers.AutoConfig.from_pretrained(target_path)
@@ -228,6 +315,10 @@ def eagle_head_dir(target: str) -> str:
     weights = {f"layers.0.{name}": p.detach().normal_(0, 0.08) if p.dim() > 1 else p.detach()
                for name, p in layer.state_dict().items() if "input_layernorm" not in name}
     weights["fc.weight"] = torch.randn(config.hidden_size, 2 * config.hidden_size) * 0.08
+    if agreeing:
+        weights["fc.weight"] = fit_draft_projection(target)
+        for name in ("self_attn.o_proj", "mlp.down_proj"):
+            weights[f"layers.0.{name}.weight"].zero_()
     tmp = path.with_suffix(".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
     safetensors.torch.save_file({k: v.contiguous() for k, v in weights.items()},

@@ -24,8 +24,8 @@ os.environ.setdefault("VLLM_ASCEND_SIM_MEMORY_GB", "2")  # small simulated devic
 os.environ.setdefault("HCCL_BUFFSIZE", "16")
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(callable)
 
-from scripts.models import (eagle_head_dir, quantized_model_dir, smollm2_dir,  # noqa: E402
-                            tiny_model_dir)
+from scripts.models import (agreeing_mtp_dir, eagle_head_dir,  # noqa: E402
+                            quantized_model_dir, smollm2_dir, tiny_model_dir)
 from tests.e2e import w8a8_reference  # noqa: E402
 
 PROMPTS = [
@@ -68,18 +68,30 @@ def model_path(family: str) -> str:
 MAX_TOKENS = 16  # generated per request in the accuracy checks
 
 
+AGREEING = "-agreeing"  # a method's drafter built to agree with the target (scripts/models.py)
+
+
 def speculative_config(family: str, method: str, k: int) -> dict:
-    """vLLM's speculative_config for ``method`` with ``k`` tokens a step, on ``family``."""
-    config = {"method": method, "num_speculative_tokens": k}
-    if method == "ngram":
+    """vLLM's speculative_config for ``method`` with ``k`` tokens a step, on ``family``; "eagle"
+    and "mtp" draft with random weights (the target rejects their drafts), "eagle-agreeing" and
+    "mtp-agreeing" with heads fitted to agree with it (it accepts them on the suite's prompts)."""
+    base = method.removesuffix(AGREEING)
+    config = {"method": base, "num_speculative_tokens": k}
+    if base == "ngram":
         config.update(prompt_lookup_min=2, prompt_lookup_max=4)
-    elif method == "mtp":  # the checkpoint's own MTP layers (DeepSeek-V3)
+    elif base == "mtp":  # the checkpoint's own MTP layers (DeepSeek-V3): spec_target's
         pass
-    elif method == "draft_model":  # the model itself: its drafts are the target's own choices
+    elif base == "draft_model":  # the model itself: its drafts are the target's own choices
         config["model"] = model_path(family)
-    else:  # a random-weight EAGLE head: drafts are rarely accepted, output must not change
-        config["model"] = eagle_head_dir(model_path(family))
+    else:
+        config["model"] = eagle_head_dir(model_path(family), agreeing=method.endswith(AGREEING))
     return config
+
+
+def spec_target(family: str, method: str) -> str:
+    """The target's checkpoint for ``method``: MTP layers live in it, so an agreeing one is a
+    checkpoint of its own (the same target weights)."""
+    return agreeing_mtp_dir(family) if method == "mtp" + AGREEING else model_path(family)
 
 
 @contextlib.contextmanager

@@ -5,10 +5,11 @@ acceptance metrics read back."""
 
 import pytest
 
-from tests.e2e.conftest import (PROMPTS, chip_cost_per_decode_step, check_logprobs_close,
+from tests.e2e.conftest import (AGREEING, PROMPTS, chip_cost_per_decode_step, check_logprobs_close,
                                 engine, expected_replays, graph_counts, hf_greedy, MAX_TOKENS,
-                                model_path, platform_log, replays, speculative_config,
-                                vllm_greedy)
+                                model_path, platform_log, replays, spec_target,
+                                speculative_config, vllm_greedy)
+from scripts.models import FIT_PROMPTS
 from vllm_ascend.device.sim.ledger import PLUGIN_SYNCS, REPLAYS, UPDATES
 
 MAX_NUM_SEQS = 4
@@ -19,27 +20,36 @@ MAX_NUM_SEQS = 4
 # PIECEWISE (verify steps in pieces), Qwen3's draft model and DeepSeek-V3's MTP layer in
 # FULL_DECODE_ONLY (both with a verify batch padded by whole fake requests). Qwen2 and Qwen3 run
 # one method each. MTP (MLA, verify steps on FIA's TND layout in FULL graphs) drafts 2 tokens a
-# step in FULL_DECODE_ONLY and 1 in FULL_AND_PIECEWISE; EAGLE runs in FULL_DECODE_ONLY too. Their
-# random weights draft tokens the target rejects, so the output must not change. Accepted drafts
-# on MLA's latent cache (the KV of accepted tokens, the positions after them): DeepSeek-V2
-# drafting for itself in FULL_DECODE_ONLY.
+# step in FULL_DECODE_ONLY and 1 in FULL_AND_PIECEWISE; EAGLE runs in FULL_DECODE_ONLY too. In
+# FULL_DECODE_ONLY both have heads fitted to agree with the target ("-agreeing"): most drafts
+# are accepted, so the accepted-token path runs (the KV of accepted tokens, the positions after
+# them), for MTP on MLA's latent cache; elsewhere their random weights draft tokens the target
+# rejects, so the output must not change. DeepSeek-V2 drafts for itself in FULL_DECODE_ONLY.
 # (SmolLM2's n-gram acceptance on a repetitive prompt is measured by benchmarks/spec_decode.py.)
 CASES = ([("llama", "ngram", 3, "FULL"),
           ("llama", "draft_model", 2, "NONE"), ("llama", "draft_model", 2, "FULL_AND_PIECEWISE")]
          + [("llama", "eagle", 4, m) for m in ("PIECEWISE", "FULL_AND_PIECEWISE")]
          + [("qwen2", "ngram", 1, "FULL_AND_PIECEWISE"),
             ("qwen3", "draft_model", 1, "FULL_DECODE_ONLY"),
-            ("deepseek_v3_mtp", "mtp", 2, "FULL_DECODE_ONLY")]
+            ("deepseek_v3_mtp", "mtp-agreeing", 2, "FULL_DECODE_ONLY")]
          + [pytest.param(c, marks=pytest.mark.slow) for c in (  # the full tier only
-             ("llama", "eagle", 4, "FULL_DECODE_ONLY"),
+             ("llama", "eagle-agreeing", 4, "FULL_DECODE_ONLY"),
              ("deepseek_v3_mtp", "mtp", 1, "FULL_AND_PIECEWISE"),
              ("deepseek_v2", "draft_model", 2, "FULL_DECODE_ONLY"))])
 REPETITIVE = "1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2,"
 
 
 def spec_metrics(llm) -> dict:
-    return {m.name.removeprefix("vllm:spec_decode_"): m.value for m in llm.get_metrics()
-            if m.name.startswith("vllm:spec_decode_num") and hasattr(m, "value")}
+    """vLLM's speculative-decoding counters: name -> value, or per draft position a list."""
+    return {m.name.removeprefix("vllm:spec_decode_"): m.values if hasattr(m, "values")
+            else m.value for m in llm.get_metrics()
+            if m.name.startswith("vllm:spec_decode_num")}
+
+
+def since(now, before) -> dict:
+    return {name: ([v - w for v, w in zip(value, before[name])] if isinstance(value, list)
+                   else value - before.get(name, 0)) if name in before else value
+            for name, value in now.items()}
 
 
 @pytest.fixture(scope="module", params=CASES, ids=lambda c: "-".join(map(str, c)))
@@ -48,7 +58,7 @@ def spec_llm(request):
     graphs = ({"enforce_eager": True} if mode == "NONE"
               else {"compilation_config": {"cudagraph_mode": mode}})
     with platform_log() as log, engine(
-            model_path(family), max_num_seqs=MAX_NUM_SEQS, disable_log_stats=False,
+            spec_target(family, method), max_num_seqs=MAX_NUM_SEQS, disable_log_stats=False,
             speculative_config=speculative_config(family, method, k), **graphs) as llm:
         # Async scheduling off: by vLLM's own rule for n-gram, by the platform for the others,
         # saying why (FIA needs exact host KV lengths).
@@ -88,6 +98,8 @@ def test_greedy_output_equals_non_speculative_with_graph_replays(spec_llm):
     family, method, k, mode, llm = spec_llm
     if method == "ngram":  # n-gram drafts only where the text repeats itself
         prompts = [REPETITIVE, *PROMPTS[:2]]
+    elif method.endswith(AGREEING):  # the prompts its head was fitted on
+        prompts = FIT_PROMPTS
     else:
         prompts = PROMPTS
     n = MAX_TOKENS
@@ -95,14 +107,16 @@ def test_greedy_output_equals_non_speculative_with_graph_replays(spec_llm):
     with replays(llm) as made:
         outs = vllm_greedy(llm, prompts, n)
     for prompt, out in zip(prompts, outs):
-        check_logprobs_close(hf_greedy(model_path(family), prompt, n), out,
+        check_logprobs_close(hf_greedy(spec_target(family, method), prompt, n), out,
                              f"{family} {method} k={k} {mode} {prompt!r}")
-    metrics = {name: value - before.get(name, 0) for name, value in spec_metrics(llm).items()}
+    metrics = since(spec_metrics(llm), before)
     assert metrics["num_drafts"] > 0 and metrics["num_draft_tokens"] > 0, metrics
-    if method == "draft_model":
+    if method == "draft_model" or method.endswith(AGREEING):
         # Drafts the target agrees with: almost all are accepted (a broken verify step or
-        # drafter would reject them).
+        # drafter would reject them; measured: the fitted MTP layer 30 of 30, the fitted EAGLE
+        # head 39 of 40), and some steps accept every draft.
         assert metrics["num_accepted_tokens"] >= 0.8 * metrics["num_draft_tokens"], metrics
+        assert metrics["num_accepted_tokens_per_pos"][-1] > 0, metrics
 
     if mode == "NONE":
         assert made["replayed"] == {} and made["drafter_replayed"] == {}
@@ -153,10 +167,11 @@ def test_draft_steps_add_no_blocking_sync_and_no_task_update(spec_llm):
     if method == "ngram":
         pytest.skip("n-gram drafts on the host: it has no draft steps on the device, and its "
                     "verify step's graph depends on whether the text repeats")
-    if family == "deepseek_v2":
+    if family == "deepseek_v2" or method.endswith(AGREEING):
         pytest.skip("its drafts are accepted, and how many a step takes moves this per-step "
-                    "ledger (measured: 0 and 2 plugin waits a step in two runs); DeepSeek's "
-                    "drafting steps are ledgered by its MTP case")
+                    "ledger (measured for DeepSeek-V2: 0 and 2 plugin waits a step in two "
+                    "runs); the cases whose drafts are rejected ledger the same drafters (EAGLE "
+                    "in PIECEWISE and FULL_AND_PIECEWISE, MTP in FULL_AND_PIECEWISE)")
     layers = llm.llm_engine.vllm_config.model_config.hf_config.num_hidden_layers
     full_verify = mode in ("FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
     verify_replays = 1 if full_verify else (layers + 1 if mode == "PIECEWISE" else 0)
