@@ -1,9 +1,9 @@
-"""Check a mixture-of-experts model with data parallelism in a graph mode the suite does not
-serve it in (it serves FULL_AND_PIECEWISE: tests/e2e/test_serve.py, test_defaults.py): `vllm
-serve --data-parallel-size 2 --enable-expert-parallel` (vLLM 0.32 refuses data parallelism in
-one LLM process), four concurrent requests against HF transformers under the logprob-closeness
-rule, one request pinned to DP rank 0 while rank 1 idles, and DP engine 0's
-workers' graph counts.
+"""Check a mixture-of-experts model served with data parallelism in any graph mode: `vllm serve
+--data-parallel-size 2 --enable-expert-parallel` (vLLM 0.32 refuses data parallelism in one LLM
+process), four concurrent requests against HF transformers under the logprob-closeness rule,
+one request pinned to DP rank 0 while rank 1 idles, and DP engine 0's workers' graph counts.
+The suite runs the first line below (tests/e2e/test_data_parallel.py) and serves
+FULL_AND_PIECEWISE in test_serve.py and test_defaults.py.
 
     python scripts/check_data_parallel.py --mode FULL_DECODE_ONLY
     python scripts/check_data_parallel.py --mode FULL_DECODE_ONLY --tensor-parallel-size 2
