@@ -13,6 +13,10 @@ TINY_FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),
+    # Llama whose heads (6 query, 3 KV, of 32) and MLP (384) split three ways: TP=3.
+    "llama_tp3": ("LlamaConfig", "LlamaForCausalLM", {
+        "hidden_size": 192, "num_attention_heads": 6, "num_key_value_heads": 3,
+        "intermediate_size": 384}),
     # Mixture of experts: 8 experts, top-2. Qwen3-MoE renormalises the top-k probabilities;
     # Qwen2-MoE does not, and adds a shared expert behind a sigmoid gate.
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {

@@ -223,9 +223,9 @@ LAYOUTS = {
     "TP=2 EAGLE FULL_DECODE_ONLY": (
         "llama", "bfloat16", "FULL_DECODE_ONLY", 3,
         dict(tensor_parallel_size=2, speculative_config=speculative_config("llama", "eagle", 3))),
-    # SmolLM2's 9 query and 3 KV heads split in 3, not in 2; three workers over two nodes.
-    "TP=3 SmolLM2 FULL_DECODE_ONLY": (
-        "smollm2", "bfloat16", "FULL_DECODE_ONLY", 0, dict(tensor_parallel_size=3)),
+    # A Llama of 6 query and 3 KV heads, split in 3; three workers over two nodes.
+    "TP=3 FULL_DECODE_ONLY": (
+        "llama_tp3", "bfloat16", "FULL_DECODE_ONLY", 0, dict(tensor_parallel_size=3)),
     "TP=4 across two nodes PIECEWISE": (
         "llama", "bfloat16", "PIECEWISE", 0, dict(tensor_parallel_size=4)),
 }
