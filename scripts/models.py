@@ -251,11 +251,13 @@ def fit_draft_projection(target: str, normalise_inputs: bool = False):
     state at i+1, on the target's greedy continuations of FIT_PROMPTS. With the head's decoder
     layer adding nothing (its output projections zero), the head's logits are then the target's
     next ones on those paths, and a draft chained on its own output stays on them. The samples
-    come from the target run in float32 and in bfloat16 (2 x 3 x 24, fewer than the 2 x hidden
-    inputs): the fit interpolates both, so the rounding of a bfloat16 engine moves it little
-    (measured on the tiny Llama: the next token right at 98.6% of the bfloat16 positions, against
-    91% fitted on float32 alone). MTP normalises both inputs first (``enorm``, ``hnorm``: the
-    hidden state it is given, the target's or its own, need not be normed)."""
+    come from the target run in float32 (its greedy paths) and in bfloat16 (those paths and its
+    own, where they part): at most 3 x 3 x 24, fewer than the 2 x hidden inputs, so the fit
+    interpolates them all and the rounding of a bfloat16 engine moves it little (on the tiny
+    Llama and the suite's first prompts, the next token right at 98.6% of the bfloat16
+    positions, against 91% fitted on float32 alone). MTP normalises both inputs first
+    (``enorm``, ``hnorm``: the hidden state it is given, the target's or its own, need not be
+    normed)."""
     import torch
     import transformers
 
