@@ -96,6 +96,36 @@ def test_a_decode_token_attends_the_same_bits_alone_or_in_any_batch(shared):
         assert torch.equal(alone, batch[r:r + 1]), r
 
 
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_requests_all_alike_attend_once_with_the_same_bits(q_len, monkeypatch):
+    # vLLM's dummy batches: every request the same queries over the same blocks. The simulator
+    # attends one and writes it to each; the bits are the whole batch's, and a request that
+    # differs in one bit of its query (or its KV length) takes the whole batch.
+    from vllm_ascend.device.sim import ops
+
+    case = Case([q_len] * 5, [37] * 5)
+    case.table[:] = case.table[0]
+    case.q = case.q[:q_len].repeat(5, 1, 1)
+    alike = ops.rows_alike
+    monkeypatch.setattr(ops, "rows_alike", lambda x: False)
+    whole, _ = case.run()
+    monkeypatch.setattr(ops, "rows_alike", alike)
+    got, _ = case.run()
+    assert torch.equal(got, whole)
+    for change in ("query", "kv"):
+        other = Case([q_len] * 5, [37] * 5)
+        other.table[:], other.q = case.table, case.q.clone()
+        kv = [37] * 4 + [36] if change == "kv" else [37] * 5
+        if change == "query":
+            other.q[-1, 0, 0] = -other.q[-1, 0, 0]
+        got, _ = other.run(actual_seq_lengths_kv=kv)
+        monkeypatch.setattr(ops, "rows_alike", lambda x: False)
+        whole, _ = other.run(actual_seq_lengths_kv=kv)
+        monkeypatch.setattr(ops, "rows_alike", alike)
+        assert torch.equal(got, whole), change
+        assert not torch.equal(got[-q_len:], got[:q_len]), change
+
+
 def test_out_overload_writes_into_the_given_tensors_with_a_max_workspace():
     case = Case([2, 1], [6, 9])
     ws = torch_npu._npu_fused_infer_attention_score_get_max_workspace(**case.kwargs())

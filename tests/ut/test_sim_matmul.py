@@ -59,3 +59,29 @@ def test_out_variants_addmm_scalars_and_other_dtypes():
     for dtype in (torch.float32, torch.float64):  # untouched: torch's own kernels
         x, y = torch.randn(20, 8, dtype=dtype), torch.randn(8, 4, dtype=dtype)
         assert torch.equal(x @ y, matmul._ORIGINAL["mm"](x, y))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [9, 16, 100, 512])
+def test_rows_all_alike_take_one_rows_product_with_the_same_bits(dtype, rows, monkeypatch):
+    """vLLM's dummy batches (every row token 0 at position 0): one row's product, repeated, gives
+    what computing every row gives; a row that differs in one bit, or only in a zero's sign,
+    takes the whole product."""
+    torch.manual_seed(3)
+    w, bias = torch.randn(3072, 576).to(dtype), torch.randn(3072).to(dtype)
+    alike = torch.randn(1, 576).to(dtype).expand(rows, -1).contiguous()
+    alike[:, 7] = 0.0
+    whole = matmul._padded_product
+    computed = []
+    monkeypatch.setattr(matmul, "_padded_product",
+                        lambda a, b: computed.append(a.shape[0]) or whole(a, b))
+    got, got_bias = alike @ w.t(), torch.nn.functional.linear(alike, w, bias)
+    assert computed == [1, 1]
+    assert torch.equal(got, whole(alike, w.t()).to(dtype))
+    assert torch.equal(got_bias, (whole(alike, w.t()) + bias.float()).to(dtype))
+    for i, value in ((rows - 1, -0.0), (rows // 2, 1e-3)):
+        differs = alike.clone()
+        differs[i, 7] = value
+        computed.clear()
+        assert torch.equal(differs @ w.t(), whole(differs, w.t()).to(dtype))
+        assert computed == [rows]

@@ -18,6 +18,13 @@ step of 8 or fewer rows is padded to a capture size of at most 8 with vLLM's def
 (1, 2, 4, 8, 16, ...), and one of more rows to 16 or more, so eager and graph steps take the same
 kernel.
 
+Batch invariance also lets a product whose rows are all the same, bit for bit, compute one row
+and repeat it: the same bits as computing every row. vLLM's dummy batches are such products (the
+profile run's 8192 tokens and the warm-up run before each capture size are token 0 at position
+0, attention skipped or alike in every request), and they were most of an engine's start here.
+The check costs one comparison of the rows, against a product that costs a row's comparison
+times the output's width.
+
 Installed once, by ``install()``, in a process that opens a simulated device (its CPU is the
 device from then on): aten's CPU kernels for mm and addmm (functional and ``.out``) are replaced
 in that process, and call the originals for every other dtype.
@@ -38,6 +45,26 @@ def _fast(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _product_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b in float32: one row's product repeated if every row is the same, bit for bit."""
+    n = a.shape[0]
+    if rows_alike(a):
+        return _padded_product(a[:1], b).expand(n, -1).contiguous()
+    return _padded_product(a, b)
+
+
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def rows_alike(x: torch.Tensor) -> bool:
+    """Whether x has more than one row (first dimension) and every row is the first, bit for
+    bit (-0.0 and +0.0 differ, NaNs compare as bits)."""
+    if x.dim() == 0 or x.shape[0] < 2:
+        return False
+    bits = x.view(_BITS[x.element_size()])
+    return torch.equal(bits[-1], bits[0]) and bool((bits == bits[:1]).all())
+
+
+def _padded_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b in float32, rows padded to a multiple of 16 (batch-invariant); the real rows."""
     n = a.shape[0]
     rows = -(-n // ROW_MULTIPLE) * ROW_MULTIPLE

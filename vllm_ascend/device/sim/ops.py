@@ -18,6 +18,7 @@ from torch.library import Library
 from torch.utils._python_dispatch import _disable_current_modes
 
 from vllm_ascend.device.sim import memory as _memory
+from vllm_ascend.device.sim.matmul import rows_alike
 
 _lib = Library("ascend_sim", "DEF")
 
@@ -329,6 +330,18 @@ def _attend_single_tokens(query, key, value, block_table, batch_rows, token_rows
     t, length = q.shape[0], max(kv_lens)
     nblk = max(1, -(-length // block_size))
     used = table[:, :nblk]
+    if min(kv_lens) == length and rows_alike(used) and rows_alike(q):
+        # Every request the same query token over the same KV (vLLM's dummy batches): one
+        # request's attention is each one's, bit for bit (a request attends alike alone or in
+        # any batch: tests/ut/test_sim_fia.py).
+        one = out.new_empty(1, *out.shape[1:])
+        _attend_single_tokens(q[:1], key, value, table[:1], [0], [0], kv_lens[:1], num_heads,
+                              nkv, d, scale, block_size, one)
+        if everything:
+            out.copy_(one.expand_as(out))
+        else:
+            out[torch.tensor(token_rows, device=dev)] = one
+        return
     if t > 1 and bool((used == used[:1]).all()):
         # Every request reads the same blocks (the dummy and padding requests of a capture, all
         # on the null block): gather them once and give each request a stride-0 view of them.
@@ -371,6 +384,19 @@ def _attend_padded(query, key, value, block_table, actual_seq_lengths_kv, batch_
     if block_table is not None:
         table = block_table if len(batch_rows) == block_table.shape[0] else \
             block_table[torch.tensor(batch_rows, device=dev)]
+        if (len(set(q_lens)) == 1 and len(set(kv_lens)) == 1
+                and rows_alike(table[:, :max(1, -(-max_kv // block_size))])):
+            qp, _ = _gather_rows(query, q_starts, q_lens, max_q)
+            if rows_alike(qp):
+                # Every request the same queries over the same KV (vLLM's dummy batches): one
+                # request's attention, written to each (alike alone or in any batch).
+                _attend_padded(query, key, value, table[:1], None, [0], q_starts[:1],
+                               q_lens[:1], kv_lens[:1], num_heads, nkv, d, scale, sparse_mode,
+                               block_size, out)
+                rows = torch.tensor(q_starts, device=dev)[:, None] + torch.arange(max_q,
+                                                                                  device=dev)
+                out[rows[1:]] = out[rows[:1]]
+                return
         kp, vp = _paged_kv(key, value, table, max_kv, block_size, nkv, d)
     else:
         kv_cu = list(actual_seq_lengths_kv)
