@@ -174,13 +174,13 @@ def replays(llm):
     (tensor and pipeline parallelism)."""
     def mark(worker):
         state = worker.model_runner.graph_state
-        state.recent_steps.clear()
+        worker.recent_steps(clear=True)
         return dict(state.replayed), dict(state.drafter_replayed)
 
     def read(worker):
         state = worker.model_runner.graph_state
         return (dict(state.replayed), dict(state.drafter_replayed),
-                [(s.num_tokens, s.num_reqs) for s in state.recent_steps])
+                [(s["num_tokens"], s["num_reqs"]) for s in worker.recent_steps()])
 
     def delta(after, before):
         return collections.Counter(after) - collections.Counter(before)

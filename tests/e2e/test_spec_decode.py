@@ -47,9 +47,11 @@ def spec_metrics(llm) -> dict:
 
 
 def since(now, before) -> dict:
-    return {name: ([v - w for v, w in zip(value, before[name])] if isinstance(value, list)
-                   else value - before.get(name, 0)) if name in before else value
-            for name, value in now.items()}
+    """The metrics' change from ``before`` to ``now``: lists element by element, a metric that
+    was not there before whole."""
+    return {name: value if name not in before
+            else [v - w for v, w in zip(value, before[name])] if isinstance(value, list)
+            else value - before[name] for name, value in now.items()}
 
 
 @pytest.fixture(scope="module", params=CASES, ids=lambda c: "-".join(map(str, c)))
