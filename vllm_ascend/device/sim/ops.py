@@ -330,7 +330,8 @@ def _attend_single_tokens(query, key, value, block_table, batch_rows, token_rows
     t, length = q.shape[0], max(kv_lens)
     nblk = max(1, -(-length // block_size))
     used = table[:, :nblk]
-    if min(kv_lens) == length and rows_alike(used) and rows_alike(q):
+    same_blocks = rows_alike(used)
+    if same_blocks and min(kv_lens) == length and rows_alike(q):
         # Every request the same query token over the same KV (vLLM's dummy batches): one
         # request's attention is each one's, bit for bit (a request attends alike alone or in
         # any batch: tests/ut/test_sim_fia.py).
@@ -342,7 +343,7 @@ def _attend_single_tokens(query, key, value, block_table, batch_rows, token_rows
         else:
             out[torch.tensor(token_rows, device=dev)] = one
         return
-    if t > 1 and bool((used == used[:1]).all()):
+    if same_blocks:
         # Every request reads the same blocks (the dummy and padding requests of a capture, all
         # on the null block): gather them once and give each request a stride-0 view of them.
         # The per-request products below are the same, bit for bit; only the copies go (the
