@@ -382,29 +382,25 @@ def _attend_padded(query, key, value, block_table, actual_seq_lengths_kv, batch_
     kv_all, kv_lens = kv_lens, [kv_lens[b] for b in batch_rows]
     q_starts = [q_starts[b] for b in batch_rows]
     max_q, max_kv = max(q_lens), max(kv_lens)
+    qp, q_valid = _gather_rows(query, q_starts, q_lens, max_q)  # [B, Sq, N, D]
+    rows = torch.tensor(q_starts, device=dev)[:, None] + torch.arange(max_q, device=dev)
     if block_table is not None:
         table = block_table if len(batch_rows) == block_table.shape[0] else \
             block_table[torch.tensor(batch_rows, device=dev)]
         if (len(set(q_lens)) == 1 and len(set(kv_lens)) == 1
-                and rows_alike(table[:, :max(1, -(-max_kv // block_size))])):
-            qp, _ = _gather_rows(query, q_starts, q_lens, max_q)
-            if rows_alike(qp):
-                # Every request the same queries over the same KV (vLLM's dummy batches): one
-                # request's attention, written to each (alike alone or in any batch).
-                _attend_padded(query, key, value, table[:1], None, [0], q_starts[:1],
-                               q_lens[:1], kv_lens[:1], num_heads, nkv, d, scale, sparse_mode,
-                               block_size, out)
-                rows = torch.tensor(q_starts, device=dev)[:, None] + torch.arange(max_q,
-                                                                                  device=dev)
-                out[rows[1:]] = out[rows[:1]]
-                return
+                and rows_alike(table[:, :max(1, -(-max_kv // block_size))]) and rows_alike(qp)):
+            # Every request the same queries over the same KV (vLLM's dummy batches): one
+            # request's attention, written to each (alike alone or in any batch).
+            _attend_padded(query, key, value, table[:1], None, [0], q_starts[:1], q_lens[:1],
+                           kv_lens[:1], num_heads, nkv, d, scale, sparse_mode, block_size, out)
+            out[rows[1:]] = out[rows[:1]]
+            return
         kp, vp = _paged_kv(key, value, table, max_kv, block_size, nkv, d)
     else:
         kv_cu = list(actual_seq_lengths_kv)
         kv_starts = [kv_cu[b] - kv_all[b] for b in batch_rows]
         kp, _ = _gather_rows(key, kv_starts, kv_lens, max_kv)
         vp, _ = _gather_rows(value, kv_starts, kv_lens, max_kv)
-    qp, q_valid = _gather_rows(query, q_starts, q_lens, max_q)  # [B, Sq, N, D]
     kv_len_t = torch.tensor(kv_lens, device=dev)[:, None, None]
     j = torch.arange(max_kv, device=dev)[None, None, :]
     qpos = (kv_len_t - torch.tensor(q_lens, device=dev)[:, None, None]
@@ -414,7 +410,6 @@ def _attend_padded(query, key, value, block_table, actual_seq_lengths_kv, batch_
     o = torch.nn.functional.scaled_dot_product_attention(
         qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2), attn_mask=allowed[:, None],
         scale=scale, enable_gqa=num_heads != nkv).transpose(1, 2)  # [B, Sq, N, D]
-    rows = torch.tensor(q_starts, device=dev)[:, None] + torch.arange(max_q, device=dev)
     out[rows[q_valid]] = o[q_valid].to(out.dtype)
 
 
