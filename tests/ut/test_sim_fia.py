@@ -12,8 +12,10 @@ MASK = torch.triu(torch.ones(2048, 2048), diagonal=1).to(torch.int8)
 BF16 = torch.bfloat16
 
 
-def reference(q, k_per_req, v_per_req, q_lens, scale):
-    """Causal attention per request in fp32, the query being the last q_len of its tokens."""
+def reference(q, k_per_req, v_per_req, q_lens, scale, window=None):
+    """Causal attention per request in fp32, the query being the last q_len of its tokens;
+    with ``window``, each query attends its last ``window`` keys, its own included (vLLM's and
+    HF's sliding window)."""
     outs, start = [], 0
     n = q.shape[1]
     for k, v, ql in zip(k_per_req, v_per_req, q_lens):
@@ -23,7 +25,10 @@ def reference(q, k_per_req, v_per_req, q_lens, scale):
         rep = n // k.shape[1]
         k, v = k.repeat_interleave(rep, 1).float(), v.repeat_interleave(rep, 1).float()
         scores = torch.einsum("qhd,khd->hqk", qq, k) * scale
-        allowed = torch.arange(kl)[None, :] <= (kl - ql + torch.arange(ql))[:, None]
+        pos = (kl - ql + torch.arange(ql))[:, None]
+        allowed = torch.arange(kl)[None, :] <= pos
+        if window is not None:
+            allowed &= torch.arange(kl)[None, :] > pos - window
         scores = scores.masked_fill(~allowed, float("-inf"))
         outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
     return torch.cat(outs)
@@ -124,6 +129,49 @@ def test_requests_all_alike_attend_once_with_the_same_bits(q_len, monkeypatch):
         monkeypatch.setattr(ops, "rows_alike", alike)
         assert torch.equal(got, whole), change
         assert not torch.equal(got[-q_len:], got[:q_len]), change
+
+
+@pytest.mark.parametrize("q_lens,kv_lens", [
+    ([5, 7, 1, 1], [5, 40, 33, 16]),  # prefill, chunked prefill, decodes
+    ([1, 1, 1], [33, 16, 1]),  # decodes only
+    ([12, 1], [12, 12]),  # a prefill longer than the window beside a decode at the same length
+], ids=["mixed", "decode", "prefill"])
+def test_band_mode_keeps_the_window_and_reads_no_key_before_it(q_lens, kv_lens):
+    """sparse_mode 4 with pre_tokens W - 1, next_tokens 0 (the inclusive reading, band_of):
+    each query attends its last W keys. The keys before every query's window are not read:
+    NaN there (a block vLLM gave back, now the null block) leaves the output finite and equal."""
+    window = 6
+    case = Case(q_lens, kv_lens, dtype=torch.float16)
+    ref = reference(case.q, case.per_request(case.k4), case.per_request(case.v4), case.q_lens,
+                    0.125, window)
+    band = dict(sparse_mode=4, pre_tokens=window - 1, next_tokens=0)
+    out, _ = case.run(**band)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    for b, (row, ql, kl) in enumerate(zip(case.table, q_lens, kv_lens)):
+        first = kl - ql - (window - 1)  # the first key any of its queries keeps
+        for j in range(max(first, 0)):
+            blk, off = row[j // case.block], j % case.block
+            case.k4[blk, off] = float("nan")
+            case.v4[blk, off] = float("nan")
+    again, _ = case.run(**band)
+    assert torch.equal(again, out)
+    # One key more or less is another result: the window's edge is where band_of puts it.
+    for pre in (window - 2, window):
+        assert not torch.equal(Case(q_lens, kv_lens, dtype=torch.float16).run(
+            sparse_mode=4, pre_tokens=pre, next_tokens=0)[0], out)
+
+
+def test_band_mode_takes_the_causal_mask_and_a_non_empty_band():
+    case = Case([3], [9])
+    with pytest.raises(AscendOpError, match="sparseMode 4 needs the 2048x2048 attnMask"):
+        case.run(sparse_mode=4, atten_mask=None, pre_tokens=3, next_tokens=0)
+    with pytest.raises(AscendOpError, match="When sparseMode is 4, attnMask must be"):
+        case.run(sparse_mode=4, atten_mask=1 - MASK, pre_tokens=3, next_tokens=0)
+    with pytest.raises(AscendOpError, match=r"preTokens\(2\) \+ nextTokens\(-3\) must be >= 0"):
+        case.run(sparse_mode=4, pre_tokens=2, next_tokens=-3)
+    # Outside mode 4 the chip ignores the band: asking for one there is refused, not ignored.
+    with pytest.raises(AscendOpError, match="ignored in sparse_mode 3: a band takes sparse_mode 4"):
+        case.run(pre_tokens=3, next_tokens=0)
 
 
 def test_out_overload_writes_into_the_given_tensors_with_a_max_workspace():

@@ -158,15 +158,19 @@ def check_fia(query, key, value, atten_mask, actual_seq_lengths, actual_seq_leng
     # F11-F13
     if sparse_mode in (5, 6, 7, 8) or sparse_mode not in (0, 1, 2, 3, 4):
         raise _fia_error(TILING_ERROR, f"sparse_mode {sparse_mode} is not supported")
-    if sparse_mode not in (0, 3):
-        # Modes 1, 2 and 4 exist on the chip; vllm-ascend's decoder path uses 3 (causal).
+    if sparse_mode not in (0, 3, 4):
+        # Modes 1 and 2 exist on the chip; vllm-ascend's decoder path uses 3 (causal) and 4
+        # (a sliding window).
         raise _fia_error(TILING_ERROR, f"sparse_mode {sparse_mode} is not simulated (use 3 "
-                         "with the causal mask, or 0 without a mask)")
+                         "with the causal mask, 4 for a band, or 0 without a mask)")
     if atten_mask is not None and sparse_mode not in (3, 4):
         raise _fia_error(TILING_ERROR, "When attnMask is provided, sparseMode must be 3 or 4")
-    if sparse_mode == 3:
+    if sparse_mode in (3, 4):
+        # Mode 4 takes the same compressed mask as 3 (the CANN FIA doc: "band" mode, the
+        # optimised 2048x2048 lower-triangular mask; upstream passes its causal mask to both).
         if atten_mask is None:
-            raise _fia_error(TILING_ERROR, "sparseMode 3 needs the 2048x2048 attnMask")
+            raise _fia_error(TILING_ERROR, f"sparseMode {sparse_mode} needs the 2048x2048 "
+                             "attnMask")
         if atten_mask.dtype not in MASK_DTYPES:
             raise _fia_error(PARAM_INVALID, f"attnMask dtype must be bool, int8 or uint8, got "
                              f"{atten_mask.dtype}")
@@ -174,13 +178,20 @@ def check_fia(query, key, value, atten_mask, actual_seq_lengths, actual_seq_leng
             raise _fia_error(TILING_ERROR, "attnMask must be 2/3/4-D with leading dims of 1")
         for dim in atten_mask.shape[-2:]:
             if dim != ATTEN_MASK_SIZE:
-                raise _fia_error(TILING_ERROR, f"When sparseMode is 3, maskDim {dim} shall be "
-                                 f"{ATTEN_MASK_SIZE}")
-        _check_causal_mask(atten_mask)
-    if pre_tokens != INT32_MAX or next_tokens != INT32_MAX:
-        # They only matter for mode 4 (band), which is not simulated; stricter reading.
-        raise _fia_error(TILING_ERROR, "pre_tokens/next_tokens other than 2147483647 are not "
-                         "simulated (sparse_mode 4)")
+                raise _fia_error(TILING_ERROR, f"When sparseMode is {sparse_mode}, maskDim "
+                                 f"{dim} shall be {ATTEN_MASK_SIZE}")
+        _check_causal_mask(atten_mask, sparse_mode)
+    if sparse_mode == 4:
+        # The band: preTokens + nextTokens >= 0 (CANN FIA doc, sparse_mode 4), so that every
+        # query row keeps at least the key on its diagonal (see band_of).
+        if pre_tokens + next_tokens < 0:
+            raise _fia_error(TILING_ERROR, f"When sparseMode is 4, preTokens({pre_tokens}) + "
+                             f"nextTokens({next_tokens}) must be >= 0")
+    elif pre_tokens != INT32_MAX or next_tokens != INT32_MAX:
+        # The chip ignores them outside mode 4 (the CANN doc: "该场景下忽略pre_tockens、
+        # next_tockens取值"), so a band asked for there is silently not applied: refused here.
+        raise _fia_error(TILING_ERROR, f"pre_tokens/next_tokens ({pre_tokens}, {next_tokens}) "
+                         f"are ignored in sparse_mode {sparse_mode}: a band takes sparse_mode 4")
     if sparse_mode == 0 and any(q > 1 for q in q_lens):
         # Without a mask every query token sees every key: not causal for prefill.
         raise _fia_error(TILING_ERROR, "sparse_mode 0 (no mask) with a query length > 1 is "
@@ -248,8 +259,8 @@ def check_fia(query, key, value, atten_mask, actual_seq_lengths, actual_seq_leng
 _UNCHECKED = object()
 
 
-def _check_causal_mask(mask: torch.Tensor) -> None:
-    """sparse_mode 3 reads the mask as the compressed causal pattern: the chip does not look at
+def _check_causal_mask(mask: torch.Tensor, sparse_mode: int = 3) -> None:
+    """sparse_mode 3 (and 4) reads the mask as the compressed causal pattern: the chip does not look at
     every value but builds the causal band from it, so any other mask is silently wrong there.
     The simulator checks the values once per mask contents: upper triangle 1 (masked), the rest
     0 (TORCH_NPU_CONTRACTS.md section 7: upstream passes triu(ones(2048, 2048), diagonal=1))."""
@@ -263,9 +274,9 @@ def _check_causal_mask(mask: torch.Tensor) -> None:
         causal = torch.ones(ATTEN_MASK_SIZE, ATTEN_MASK_SIZE, dtype=torch.bool).triu_(1)
         same = torch.equal(square, causal)
     if not same:
-        raise _fia_error(PARAM_INVALID, "When sparseMode is 3, attnMask must be the 2048x2048 "
-                         "causal mask: 1 (masked) above the diagonal, 0 on and below it "
-                         "(torch.triu(torch.ones(2048, 2048), diagonal=1))")
+        raise _fia_error(PARAM_INVALID, f"When sparseMode is {sparse_mode}, attnMask must be "
+                         "the 2048x2048 causal mask: 1 (masked) above the diagonal, 0 on and "
+                         "below it (torch.triu(torch.ones(2048, 2048), diagonal=1))")
     mask._ascend_sim_causal_at = version
 
 
@@ -288,6 +299,21 @@ def _paged_kv(key, value, block_table, max_kv, block_size, nkv, d):
     return kp, vp
 
 
+def band_of(sparse_mode: int, pre_tokens: int, next_tokens: int) -> "tuple[int, int] | None":
+    """The keys mode 4 keeps, as (before, after) the query's own position, or None for no band.
+
+    Mode 4 ("band") counts from the bottom-right corner, as mode 3 does: the query token i of a
+    request with q_len queries and kv_len keys sits at position p = kv_len - q_len + i, and key
+    j is kept when p - pre_tokens <= j <= p + next_tokens. Edges inclusive, the reading the CANN
+    docs' rules imply: FIA's mode 4 needs preTokens + nextTokens >= 0, and
+    npu_fusion_attention's band needs preTokens >= |nextTokens| when nextTokens is negative; at
+    those bounds only the inclusive reading leaves a row a key (the one on its diagonal, or
+    |nextTokens| before it). So a sliding window of W keys, the query's own included (vLLM's
+    and HF's), is pre_tokens = W - 1, next_tokens = 0. Upstream passes W: one key more under
+    this reading (the review of vllm-ascend#8210 proposed W - 1)."""
+    return (pre_tokens, next_tokens) if sparse_mode == 4 else None
+
+
 def fia_kernel(query, key, value, atten_mask, actual_seq_lengths, actual_seq_lengths_kv,
                block_table, num_heads, scale, pre_tokens, next_tokens, input_layout,
                num_key_value_heads, sparse_mode, block_size, out):
@@ -306,22 +332,25 @@ def fia_kernel(query, key, value, atten_mask, actual_seq_lengths, actual_seq_len
     cu_q = list(actual_seq_lengths)
     q_starts = [c - q for c, q in zip(cu_q, q_lens)]
     single = [b for b, q in enumerate(q_lens) if q == 1]
+    band = band_of(sparse_mode, pre_tokens, next_tokens)
     if block_table is not None and single:
         # Requests of one query token (decode, and a mixed FULL graph's padding requests) each
         # attend over their own KV, whatever else the batch holds (graph padding requests
         # without a query token are skipped).
         _attend_single_tokens(query, key, value, block_table, single,
                               [q_starts[b] for b in single], [kv_lens[b] for b in single],
-                              num_heads, nkv, d, scale, block_size, out)
+                              num_heads, nkv, d, scale, block_size, band, out)
     longer = [b for b, q in enumerate(q_lens) if q > 1 or (q == 1 and block_table is None)]
     if longer:
         _attend_padded(query, key, value, block_table, actual_seq_lengths_kv, longer, q_starts,
-                       q_lens, kv_lens, num_heads, nkv, d, scale, sparse_mode, block_size, out)
+                       q_lens, kv_lens, num_heads, nkv, d, scale, sparse_mode, band, block_size,
+                       out)
 
 
 def _attend_single_tokens(query, key, value, block_table, batch_rows, token_rows, kv_lens,
-                          num_heads, nkv, d, scale, block_size, out):
-    """One query token per request, the last of its KV: only the KV lengths mask."""
+                          num_heads, nkv, d, scale, block_size, band, out):
+    """One query token per request, the last of its KV: the KV lengths mask, and the band's
+    start (its end is the query's own position)."""
     dev = query.device
     everything = len(token_rows) == query.shape[0] and token_rows == list(range(len(token_rows)))
     q = query if everything else query[torch.tensor(token_rows, device=dev)]
@@ -337,7 +366,7 @@ def _attend_single_tokens(query, key, value, block_table, batch_rows, token_rows
         # any batch: tests/ut/test_sim_fia.py).
         one = out.new_empty(1, *out.shape[1:])
         _attend_single_tokens(q[:1], key, value, table[:1], [0], [0], kv_lens[:1], num_heads,
-                              nkv, d, scale, block_size, one)
+                              nkv, d, scale, block_size, band, one)
         if everything:
             out.copy_(one.expand_as(out))
         else:
@@ -358,8 +387,15 @@ def _attend_single_tokens(query, key, value, block_table, batch_rows, token_rows
     # holds; the chip's FIA also accumulates the softmax in fp32).
     qf = q.view(t, nkv, num_heads // nkv, d).float()
     masked = None
+    j = torch.arange(length, device=dev)
+    kv_t = torch.tensor(kv_lens, device=dev)[:, None]
     if min(kv_lens) != length:
-        masked = ~(torch.arange(length, device=dev) < torch.tensor(kv_lens, device=dev)[:, None])
+        masked = ~(j < kv_t)
+    if band is not None and length - 1 - band[0] > 0:
+        masked = (j < kv_t - 1 - band[0]) | (masked if masked is not None else False)
+        # Keys before the band are not read (the chip's tiling skips them; vLLM points the
+        # blocks that hold only such keys at the null block, whose values may be anything).
+        kf, vf = (torch.where(masked[:, :, None, None], 0.0, x) for x in (kf, vf))
     heads = []
     for h in range(nkv):
         scores = torch.bmm(qf[:, h], kf[:, :, h].transpose(1, 2)) * scale  # [T, g, L]
@@ -374,9 +410,10 @@ def _attend_single_tokens(query, key, value, block_table, batch_rows, token_rows
 
 
 def _attend_padded(query, key, value, block_table, actual_seq_lengths_kv, batch_rows, q_starts,
-                   q_lens, kv_lens, num_heads, nkv, d, scale, sparse_mode, block_size, out):
+                   q_lens, kv_lens, num_heads, nkv, d, scale, sparse_mode, band, block_size,
+                   out):
     """Requests of several query tokens (causal: query i sits at position kv_len - q_len + i),
-    padded to the longest."""
+    padded to the longest; in mode 4, within the band around that position."""
     dev = query.device
     q_lens = [q_lens[b] for b in batch_rows]
     kv_all, kv_lens = kv_lens, [kv_lens[b] for b in batch_rows]
@@ -392,7 +429,8 @@ def _attend_padded(query, key, value, block_table, actual_seq_lengths_kv, batch_
             # Every request the same queries over the same KV (vLLM's dummy batches): one
             # request's attention, written to each (alike alone or in any batch).
             _attend_padded(query, key, value, table[:1], None, [0], q_starts[:1], q_lens[:1],
-                           kv_lens[:1], num_heads, nkv, d, scale, sparse_mode, block_size, out)
+                           kv_lens[:1], num_heads, nkv, d, scale, sparse_mode, band, block_size,
+                           out)
             out[rows[1:]] = out[rows[:1]]
             return
         kp, vp = _paged_kv(key, value, table, max_kv, block_size, nkv, d)
@@ -406,6 +444,11 @@ def _attend_padded(query, key, value, block_table, actual_seq_lengths_kv, batch_
     qpos = (kv_len_t - torch.tensor(q_lens, device=dev)[:, None, None]
             + torch.arange(max_q, device=dev)[None, :, None])
     allowed = (j < kv_len_t) & ((j <= qpos) if sparse_mode == 3 else True)
+    if band is not None:
+        allowed = allowed & (j >= qpos - band[0]) & (j <= qpos + band[1])
+        # Keys no query of the request keeps are not read (as in _attend_single_tokens).
+        read = (allowed & q_valid[:, :, None]).any(1)[:, :, None, None]  # [B, Skv, 1, 1]
+        kp, vp = (torch.where(read, x, torch.zeros((), dtype=x.dtype)) for x in (kp, vp))
     allowed |= ~q_valid[:, :, None]  # padded query rows: any finite row, discarded below
     o = torch.nn.functional.scaled_dot_product_attention(
         qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2), attn_mask=allowed[:, None],
