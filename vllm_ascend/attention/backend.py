@@ -30,7 +30,17 @@ from vllm_ascend.device import torch_npu
 BACKEND_NAME = "ASCEND"
 ATTEN_MASK_SIZE = 2048  # FIA's sparse_mode 3 takes a compressed 2048x2048 causal mask
 CAUSAL = 3  # FIA sparse_mode: causal, with the compressed mask
+BAND = 4  # FIA sparse_mode: a band around the diagonal (a sliding window), the same mask
 NO_BAND = 2147483647  # pre_tokens/next_tokens: no band limit (passed explicitly in graphs)
+
+
+def fia_mask_args(sliding_window: "int | None") -> dict:
+    """FIA's sparse mode and band for a layer: causal, or a sliding window of W keys, the
+    query's own included (vLLM's meaning), which FIA's band keeps with pre_tokens W - 1 and
+    next_tokens 0 (its edges are inclusive: docs/torch_npu_calls.md)."""
+    if sliding_window is None:
+        return dict(sparse_mode=CAUSAL)
+    return dict(sparse_mode=BAND, pre_tokens=sliding_window - 1, next_tokens=0)
 
 
 @dataclass
@@ -101,10 +111,10 @@ class AscendAttentionImpl(AttentionImpl):
     def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
                  kv_cache_dtype, logits_soft_cap=None, attn_type=AttentionType.DECODER,
                  kv_sharing_target_layer_name=None, sinks=None):
-        unsupported = [name for name, v in (("ALiBi", alibi_slopes),
-                                            ("sliding-window attention", sliding_window),
-                                            ("logits soft-capping", logits_soft_cap),
-                                            ("attention sinks", sinks)) if v]
+        # (sinks and ALiBi slopes are tensors or lists: asked whether given, not whether true)
+        unsupported = [name for name, given in (("ALiBi", alibi_slopes is not None),
+                                                ("logits soft-capping", bool(logits_soft_cap)),
+                                                ("attention sinks", sinks is not None)) if given]
         if unsupported:
             raise NotImplementedError(
                 f"The Ascend attention backend does not support {', '.join(unsupported)}; "
@@ -115,6 +125,7 @@ class AscendAttentionImpl(AttentionImpl):
         self.num_kv_heads = num_kv_heads
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        self.mask_args = fia_mask_args(sliding_window)
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         if kv_cache is None or kv_cache.numel() == 0:
@@ -143,7 +154,7 @@ class AscendAttentionImpl(AttentionImpl):
             actual_seq_lengths=attn_metadata.actual_seq_lengths_q,
             actual_seq_lengths_kv=attn_metadata.seq_lens_list,
             num_key_value_heads=self.num_kv_heads, num_heads=self.num_heads, scale=self.scale,
-            sparse_mode=CAUSAL)
+            **self.mask_args)
         if torch_npu.npu.is_current_stream_capturing():
             # Inside a FULL graph: the query is not sliced (the runner padded the metadata).
             n = attn_metadata.num_actual_tokens
@@ -167,7 +178,8 @@ class AscendAttentionImpl(AttentionImpl):
     def _capture_fia(self, query, out, fia_args) -> None:
         """Upstream's FULL-graph protocol (graph_params.GraphParams.capture), with the .out call
         and a workspace that serve any lengths; everything by keyword, as upstream."""
-        fia_args = dict(fia_args, query=query, pre_tokens=NO_BAND, next_tokens=NO_BAND)
+        fia_args = dict({"pre_tokens": NO_BAND, "next_tokens": NO_BAND}, **fia_args,
+                        query=query)
         get_forward_context().no_compile_layers[GRAPH_STATE].fia.capture(
             torch_npu.npu_fused_infer_attention_score.out, (), fia_args, out,
             lambda: torch_npu._npu_fused_infer_attention_score_get_max_workspace(**fia_args),

@@ -1,0 +1,36 @@
+"""The attention backend's choices per layer: FIA's mask arguments for a causal or a
+sliding-window layer, and the variants it refuses at start-up (when the model's layers are
+built), by name, instead of failing later."""
+
+import pytest
+import torch
+
+from vllm_ascend.attention.backend import AscendAttentionImpl, fia_mask_args
+
+
+def impl(**kwargs):
+    args = dict(num_heads=4, head_size=32, scale=32 ** -0.5, num_kv_heads=2, alibi_slopes=None,
+                sliding_window=None, kv_cache_dtype="auto")
+    return AscendAttentionImpl(**{**args, **kwargs})
+
+
+def test_a_causal_layer_takes_mode_3_and_a_window_of_w_keys_the_band_w_minus_1_before():
+    assert fia_mask_args(None) == dict(sparse_mode=3)
+    assert fia_mask_args(6) == dict(sparse_mode=4, pre_tokens=5, next_tokens=0)
+    assert impl().mask_args == dict(sparse_mode=3)
+    assert impl(sliding_window=4096).mask_args == dict(sparse_mode=4, pre_tokens=4095,
+                                                        next_tokens=0)
+
+
+@pytest.mark.parametrize("variant,kwargs", [
+    ("attention sinks", dict(sinks=torch.zeros(4))),  # GPT-OSS: a tensor, one value per head
+    ("logits soft-capping", dict(logits_soft_cap=50.0)),  # Gemma-2
+    ("ALiBi", dict(alibi_slopes=[0.5, 0.25, 0.125, 0.0625])),
+])
+def test_a_variant_without_a_kernel_is_refused_by_name(variant, kwargs):
+    with pytest.raises(NotImplementedError, match=f"does not support {variant}"):
+        impl(**kwargs)
+
+
+def test_no_soft_cap_given_as_zero_is_no_soft_cap():
+    assert impl(logits_soft_cap=0.0).mask_args == dict(sparse_mode=3)
