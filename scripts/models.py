@@ -17,6 +17,9 @@ TINY_FAMILIES = {
     "llama_tp3": ("LlamaConfig", "LlamaForCausalLM", {
         "hidden_size": 192, "num_attention_heads": 6, "num_key_value_heads": 3,
         "intermediate_size": 384}),
+    # Mistral with a sliding window of 6 keys (the query's own included), shorter than the test
+    # prompts with their 16 generated tokens: prefill and decode both reach past it.
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 6, "head_dim": 32}),
     # Mixture of experts: 8 experts, top-2. Qwen3-MoE renormalises the top-k probabilities;
     # Qwen2-MoE does not, and adds a shared expert behind a sigmoid gate.
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {

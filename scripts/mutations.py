@@ -163,6 +163,19 @@ MUTATIONS = [
              "num_heads=self.num_heads, scale=self.scale,",
              "num_heads=self.num_heads, scale=1.0,", ("tests/e2e/test_graph_modes.py", "-k",
                                                       "llama")),
+    Mutation("sliding-window-one-key-wider",
+             "a sliding-window model attends one key more than its window (FIA's band edges are "
+             "inclusive)", "vllm_ascend/attention/backend.py",
+             "pre_tokens=sliding_window - 1, next_tokens=0)",
+             "pre_tokens=sliding_window, next_tokens=0)", ("tests/e2e/test_families.py",)),
+    Mutation("sliding-window-lost-in-full-graphs",
+             "a FULL graph replays attention over every key, past the window",
+             "vllm_ascend/attention/backend.py",
+             "        fia_args = dict({\"pre_tokens\": NO_BAND, \"next_tokens\": NO_BAND}, **fia_args,\n"
+             "                        query=query)",
+             "        fia_args = dict(fia_args, query=query, sparse_mode=CAUSAL, pre_tokens=NO_BAND,\n"
+             "                        next_tokens=NO_BAND)",
+             ("tests/e2e/test_families.py", "-m", "not slow")),
 ]
 
 

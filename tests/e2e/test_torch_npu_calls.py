@@ -4,7 +4,8 @@ Two engines of a tiny Qwen3-MoE run with the simulator's call log on: an eager o
 called from Python) and one in FULL_AND_PIECEWISE (attention eager between pieces, FIA captured
 in FULL graphs and updated every step; its compiled pieces call their ops directly, unlogged); a
 third, of a tiny DeepSeek-V2 in FULL_AND_PIECEWISE, makes the MLA calls; a fourth, eager, of a
-W8A8 export of the tiny Llama (one dynamic, one static layer), the quantized ones. Each distinct
+W8A8 export of the tiny Llama (one dynamic, one static layer), the quantized ones; a fifth, eager,
+of a tiny Mistral, the sliding window's band. Each distinct
 call shape must match the table below, written from ../shared/TORCH_NPU_CONTRACTS.md and
 docs/torch_npu_calls.md (op name, positional count, keyword names, dtypes, ranks, contiguity),
 and every API of the table must be used.
@@ -45,6 +46,8 @@ FIA = {"query": tensor(3), "key": tensor(3), "value": tensor(3), "atten_mask": t
        "actual_seq_lengths": HOST_LIST, "actual_seq_lengths_kv": HOST_LIST,
        "num_key_value_heads": INT, "num_heads": INT, "scale": FLOAT, "sparse_mode": INT}
 FIA_GRAPH = {**FIA, "pre_tokens": INT, "next_tokens": INT}
+# attention_v1.py:1417-1433: a sliding-window layer's eager call, sparse_mode 4 with its band.
+FIA_BAND = FIA_GRAPH
 # The MLA prefill's FIA v1 call (see the MLA rows below): query, key, value positional.
 MLA_PREFILL = ([tensor(3), tensor(3), tensor(3)], {
     "num_heads": INT, "num_key_value_heads": INT, "input_layout": value("TND"),
@@ -58,7 +61,7 @@ MLA_FIA = {"query_rope": tensor(4), "key_rope": tensor(4), "num_query_heads": IN
            "block_table": tensor(2, ("int32",)), "block_size": INT,
            "actual_seq_qlen": value("NoneType"), "actual_seq_kvlen": HOST_LIST}
 TABLE = {
-    "npu_fused_infer_attention_score": [([], FIA), MLA_PREFILL],
+    "npu_fused_infer_attention_score": [([], FIA), ([], FIA_BAND), MLA_PREFILL],
     "_npu_fused_infer_attention_score_get_max_workspace": ([], FIA_GRAPH),
     "npu_fused_infer_attention_score.out": ([], {
         **FIA_GRAPH, "workspace": tensor(1),
@@ -106,6 +109,9 @@ TABLE = {
     "npu_fused_infer_attention_score_v2.out": ([tensor(4), tensor(4), tensor(4)], {
         **MLA_FIA, "workspace": tensor(1),
         "out": lambda d: isinstance(d, list) and tensor(4)(d[0]) and tensor(1)(d[1])}),
+    # rotary_embedding.py:183-192: RoPE of vLLM's own model classes (Mistral's here).
+    "npu_mrope": ([tensor(1, ("int64",)), tensor(2), tensor(2), tensor(2), INT],
+                  {"mrope_section": HOST_LIST, "rotary_mode": value("half", "interleaved")}),
     "npu_transpose_batchmatmul": ([tensor(3), tensor(3)], {"perm_y": HOST_LIST}),
     # W8A8 (quantization/methods/w8a8_dynamic.py apply, w8a8_static.py apply through
     # ops/register_custom_ops.py _quantize_impl), and the norm-quant fusion pass's replacements
@@ -163,6 +169,9 @@ def call_log(tmp_path_factory):
         with engine(model_path("deepseek_v2"), max_num_seqs=4, compilation_config={
                 "cudagraph_mode": "FULL_AND_PIECEWISE", "cudagraph_capture_sizes": [1, 2, 4]}) \
                 as llm:
+            vllm_greedy(llm, ["The capital of France is", "Hello"], 4)
+        # Mistral's sliding window: FIA's band, eagerly (captured: the FIA_GRAPH rows).
+        with engine(model_path("mistral"), max_num_seqs=4, enforce_eager=True) as llm:
             vllm_greedy(llm, ["The capital of France is", "Hello"], 4)
     return [json.loads(line) for line in path.read_text().splitlines()]
 

@@ -1,0 +1,71 @@
+"""Families that run through vLLM's own model classes (no model file of ours), against HF
+transformers' fp32 by value in NONE, FULL_DECODE_ONLY and FULL_AND_PIECEWISE, with the graphs
+replayed that the steps call for; a graph mode gives the eager result exactly (the same kernels).
+
+Mistral has a sliding window of 6 keys (FIA's band, sparse_mode 4: attention/backend.py
+fia_mask_args), which every prompt reaches past in its prefill or its decode; the long prompt
+with 16-token blocks makes vLLM give back the blocks that fall out of the window, so the later
+steps read a block table with the null block in it."""
+
+import functools
+
+import pytest
+
+from tests.e2e.conftest import (PROMPTS, check_identical, check_logprobs_close, engine,
+                                expected_replays, hf_greedy, loaded_class, MAX_TOKENS,
+                                model_path, replays, vllm_greedy)
+
+LONG = ("Once upon a time, in a land far away, there lived a king who had three daughters and "
+        "a very large castle by the sea")
+FAMILIES = {
+    # float16: the tighter of FIA's two dtypes in the comparison (conftest.LOGPROB_TOLERANCE);
+    # a window one key wider or narrower moves a logprob by 0.59 (measured), four times it.
+    "mistral": dict(dtype="float16", block_size=16, prompts=PROMPTS + [LONG],
+                    model_class="MistralForCausalLM"),
+}
+MODES = ["NONE", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]
+CAPTURE_SIZES = [1, 2, 4]  # the prompts' decode batch (4) is a captured size
+
+
+@functools.lru_cache(maxsize=None)
+def run(family: str, mode: str) -> dict:
+    """The family's greedy outputs in ``mode``, its model class and the replays they made:
+    one engine per family and mode, made once for this module's tests."""
+    spec = FAMILIES[family]
+    with engine(model_path(family), dtype=spec["dtype"], block_size=spec["block_size"],
+                compilation_config={"cudagraph_mode": mode,
+                                    "cudagraph_capture_sizes": CAPTURE_SIZES}) as llm:
+        with replays(llm) as made:
+            outs = vllm_greedy(llm, spec["prompts"], MAX_TOKENS)
+        layers = llm.llm_engine.vllm_config.model_config.hf_config.num_hidden_layers
+        return dict(outs=outs, made=made, model_class=loaded_class(llm),
+                    expected=expected_replays(mode, made["steps"], layers, max(CAPTURE_SIZES)))
+
+
+def _mark(mode: str):
+    # The default mode in the developer's loop; the others in the full tier.
+    return () if mode == "FULL_AND_PIECEWISE" else (pytest.mark.slow,)
+
+
+@pytest.mark.parametrize("mode", [pytest.param(m, marks=_mark(m)) for m in MODES])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_is_close_to_hf_with_the_replays_its_steps_call_for(family, mode):
+    spec, result = FAMILIES[family], run(family, mode)
+    assert result["model_class"] == spec["model_class"]  # vLLM's own class: no file of ours
+    for prompt, out in zip(spec["prompts"], result["outs"]):
+        assert check_logprobs_close(hf_greedy(model_path(family), prompt, MAX_TOKENS), out,
+                                    f"{family} {mode} {prompt[:24]!r}",
+                                    dtype=spec["dtype"]) == MAX_TOKENS
+    made = result["made"]
+    assert made["replayed"] == result["expected"], made
+    if mode != "NONE":
+        assert made["replayed"].get("FULL", 0) >= MAX_TOKENS - 1, made  # every decode step
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_graph_mode_gives_the_eager_result_exactly(family, mode):
+    for prompt, eager, graph in zip(FAMILIES[family]["prompts"], run(family, "NONE")["outs"],
+                                    run(family, mode)["outs"]):
+        check_identical(eager, graph, f"{family} {mode} {prompt[:24]!r}")
