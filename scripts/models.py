@@ -20,6 +20,19 @@ TINY_FAMILIES = {
     # Mistral with a sliding window of 6 keys (the query's own included), shorter than the test
     # prompts with their 16 generated tokens: prefill and decode both reach past it.
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 6, "head_dim": 32}),
+    # Gemma-3's text model: a sliding layer (window 6) then a full one, as its 5:1 pattern
+    # alternates them; q/k norms, a query pre-attention scalar, (1 + w) RMSNorms, GELU-tanh.
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {
+        "head_dim": 32, "sliding_window": 6, "layer_types": ["sliding_attention",
+                                                             "full_attention"],
+        "query_pre_attn_scalar": 32}),
+    # Gemma-2 and GPT-OSS: for their start-up refusals (attention logit soft-capping; attention
+    # sinks), config only.
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 32, "sliding_window": 6,
+                                                     "query_pre_attn_scalar": 32}),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", {
+        "head_dim": 32, "sliding_window": 6, "num_local_experts": 4, "num_experts_per_tok": 2,
+        "layer_types": ["sliding_attention", "full_attention"]}),
     # Mixture of experts: 8 experts, top-2. Qwen3-MoE renormalises the top-k probabilities;
     # Qwen2-MoE does not, and adds a shared expert behind a sigmoid gate.
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {

@@ -5,12 +5,19 @@ replayed that the steps call for; a graph mode gives the eager result exactly (t
 Mistral has a sliding window of 6 keys (FIA's band, sparse_mode 4: attention/backend.py
 fia_mask_args), which every prompt reaches past in its prefill or its decode; the long prompt
 with 16-token blocks makes vLLM give back the blocks that fall out of the window, so the later
-steps read a block table with the null block in it."""
+steps read a block table with the null block in it. Gemma-3's text model alternates a sliding
+layer with a full one (per-layer windows, two KV cache groups), with q/k norms, a query
+pre-attention scalar, (1 + w) RMSNorms and GELU-tanh.
+
+Families whose attention has no Ascend kernel here are refused while the engine starts (the
+model's layers are built before any weight loads), naming what is missing: Gemma-2's logit
+soft-capping, GPT-OSS's attention sinks."""
 
 import functools
 
 import pytest
 
+from scripts.models import config_only_dir
 from tests.e2e.conftest import (PROMPTS, check_identical, check_logprobs_close, engine,
                                 expected_replays, hf_greedy, loaded_class, MAX_TOKENS,
                                 model_path, replays, vllm_greedy)
@@ -22,6 +29,9 @@ FAMILIES = {
     # a window one key wider or narrower moves a logprob by 0.59 (measured), four times it.
     "mistral": dict(dtype="float16", block_size=16, prompts=PROMPTS + [LONG],
                     model_class="MistralForCausalLM"),
+    # A sliding layer and a full one (two KV cache groups); vLLM refuses Gemma-3 in float16.
+    "gemma3": dict(dtype="bfloat16", block_size=16, prompts=PROMPTS + [LONG],
+                   model_class="Gemma3ForCausalLM"),
 }
 MODES = ["NONE", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]
 CAPTURE_SIZES = [1, 2, 4]  # the prompts' decode batch (4) is a captured size
@@ -69,3 +79,11 @@ def test_a_graph_mode_gives_the_eager_result_exactly(family, mode):
     for prompt, eager, graph in zip(FAMILIES[family]["prompts"], run(family, "NONE")["outs"],
                                     run(family, mode)["outs"]):
         check_identical(eager, graph, f"{family} {mode} {prompt[:24]!r}")
+
+
+@pytest.mark.parametrize("family,missing", [
+    ("gemma2", "logits soft-capping"), ("gpt_oss", "attention sinks")])
+def test_a_family_without_a_kernel_for_its_attention_is_refused_at_start_up(family, missing):
+    with pytest.raises(NotImplementedError, match=f"does not support {missing}"):
+        with engine(config_only_dir(family)):  # its config alone: refused before weights load
+            pass

@@ -112,13 +112,15 @@ class AscendAttentionImpl(AttentionImpl):
                  kv_cache_dtype, logits_soft_cap=None, attn_type=AttentionType.DECODER,
                  kv_sharing_target_layer_name=None, sinks=None):
         # (sinks and ALiBi slopes are tensors or lists: asked whether given, not whether true)
-        unsupported = [name for name, given in (("ALiBi", alibi_slopes is not None),
-                                                ("logits soft-capping", bool(logits_soft_cap)),
-                                                ("attention sinks", sinks is not None)) if given]
+        unsupported = [name for name, given in (
+            ("ALiBi (FIA's pse_shift, which vllm-ascend does not pass)", alibi_slopes is not None),
+            ("logits soft-capping (no Ascend attention kernel applies it)", bool(logits_soft_cap)),
+            ("attention sinks (FIA v2's learnable_sink, which vllm-ascend does not pass yet)",
+             sinks is not None)) if given]
         if unsupported:
             raise NotImplementedError(
-                f"The Ascend attention backend does not support {', '.join(unsupported)}; "
-                "this model needs an attention kernel vllm-ascend does not provide.")
+                f"The Ascend attention backend does not support {'; '.join(unsupported)}: this "
+                "model cannot run on vllm-ascend yet.")
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = float(scale)
