@@ -26,6 +26,22 @@ TINY_FAMILIES = {
         "head_dim": 32, "sliding_window": 6, "layer_types": ["sliding_attention",
                                                              "full_attention"],
         "query_pre_attn_scalar": 32}),
+    # Families that run through vLLM's own classes with nothing of their own on the attention
+    # side: fused qkv/gate_up (Phi-3), multipliers (Granite), full-width q/k norms (OLMo-2),
+    # ERNIE-4.5, Seed-OSS, a partial rotary of 16 that npu_mrope does not take (GLM-4), a
+    # sliding layer then a full one (EXAONE-4).
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0}),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", {
+        "embedding_multiplier": 2.0, "residual_multiplier": 0.5, "attention_multiplier": 0.05,
+        "logits_scaling": 2.0}),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+    "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", {"head_dim": 32}),
+    "seed_oss": ("SeedOssConfig", "SeedOssForCausalLM", {"head_dim": 32}),
+    "glm4": ("Glm4Config", "Glm4ForCausalLM", {"head_dim": 32, "partial_rotary_factor": 0.5,
+                                               "pad_token_id": 0}),
+    "exaone4": ("Exaone4Config", "Exaone4ForCausalLM", {
+        "head_dim": 32, "sliding_window": 6, "layer_types": ["sliding_attention",
+                                                             "full_attention"]}),
     # Gemma-2 and GPT-OSS: for their start-up refusals (attention logit soft-capping; attention
     # sinks), config only.
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 32, "sliding_window": 6,

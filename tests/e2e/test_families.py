@@ -5,9 +5,11 @@ replayed that the steps call for; a graph mode gives the eager result exactly (t
 Mistral has a sliding window of 6 keys (FIA's band, sparse_mode 4: attention/backend.py
 fia_mask_args), which every prompt reaches past in its prefill or its decode; the long prompt
 with 16-token blocks makes vLLM give back the blocks that fall out of the window, so the later
-steps read a block table with the null block in it. Gemma-3's text model alternates a sliding
-layer with a full one (per-layer windows, two KV cache groups), with q/k norms, a query
-pre-attention scalar, (1 + w) RMSNorms and GELU-tanh.
+steps read a block table with the null block in it. Gemma-3's text model and EXAONE-4
+alternate a sliding layer with a full one (per-layer windows, two KV cache groups); Gemma-3 adds
+q/k norms, a query pre-attention scalar, (1 + w) RMSNorms and GELU-tanh. Phi-3 (fused qkv and
+gate/up), Granite (multipliers), ERNIE-4.5 and GLM-4 (a partial rotary dim of 16) run on the
+causal path.
 
 Families whose attention has no Ascend kernel here are refused while the engine starts (the
 model's layers are built before any weight loads), naming what is missing: Gemma-2's logit
@@ -32,6 +34,16 @@ FAMILIES = {
     # A sliding layer and a full one (two KV cache groups); vLLM refuses Gemma-3 in float16.
     "gemma3": dict(dtype="bfloat16", block_size=16, prompts=PROMPTS + [LONG],
                    model_class="Gemma3ForCausalLM"),
+    "exaone4": dict(dtype="float16", block_size=16, prompts=PROMPTS + [LONG],
+                    model_class="Exaone4ForCausalLM"),
+    "phi3": dict(dtype="float16", block_size=128, prompts=PROMPTS, model_class="Phi3ForCausalLM"),
+    "granite": dict(dtype="float16", block_size=128, prompts=PROMPTS,
+                    model_class="GraniteForCausalLM"),
+    "ernie4_5": dict(dtype="float16", block_size=128, prompts=PROMPTS,
+                     model_class="Ernie4_5ForCausalLM"),
+    # A rotary dim of 16 (partial 0.5 of 32), which npu_mrope does not take: the unfused RoPE
+    # (ops/rotary_embedding.py). vLLM refuses GLM-4 in float16.
+    "glm4": dict(dtype="bfloat16", block_size=128, prompts=PROMPTS, model_class="Glm4ForCausalLM"),
 }
 MODES = ["NONE", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]
 CAPTURE_SIZES = [1, 2, 4]  # the prompts' decode batch (4) is a captured size
@@ -52,13 +64,13 @@ def run(family: str, mode: str) -> dict:
                     expected=expected_replays(mode, made["steps"], layers, max(CAPTURE_SIZES)))
 
 
-def _mark(mode: str):
-    # The default mode in the developer's loop; the others in the full tier.
-    return () if mode == "FULL_AND_PIECEWISE" else (pytest.mark.slow,)
+# The developer's loop: the sliding windows in the default mode; the rest in the full tier.
+QUICK = {("mistral", "FULL_AND_PIECEWISE"), ("gemma3", "FULL_AND_PIECEWISE")}
 
 
-@pytest.mark.parametrize("mode", [pytest.param(m, marks=_mark(m)) for m in MODES])
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family,mode", [
+    pytest.param(f, m, marks=() if (f, m) in QUICK else (pytest.mark.slow,))
+    for f in FAMILIES for m in MODES])
 def test_family_is_close_to_hf_with_the_replays_its_steps_call_for(family, mode):
     spec, result = FAMILIES[family], run(family, mode)
     assert result["model_class"] == spec["model_class"]  # vLLM's own class: no file of ours
