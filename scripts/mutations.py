@@ -171,10 +171,10 @@ MUTATIONS = [
     Mutation("sliding-window-lost-in-full-graphs",
              "a FULL graph replays attention over every key, past the window",
              "vllm_ascend/attention/backend.py",
-             "        fia_args = dict({\"pre_tokens\": NO_BAND, \"next_tokens\": NO_BAND}, **fia_args,\n"
-             "                        query=query)",
-             "        fia_args = dict(fia_args, query=query, sparse_mode=CAUSAL, pre_tokens=NO_BAND,\n"
-             "                        next_tokens=NO_BAND)",
+             "        fia_args = dict({\"pre_tokens\": NO_BAND, \"next_tokens\": NO_BAND}, "
+             "**fia_args,\n                        query=query)",
+             "        fia_args = dict(fia_args, query=query, sparse_mode=CAUSAL, "
+             "pre_tokens=NO_BAND,\n                        next_tokens=NO_BAND)",
              ("tests/e2e/test_families.py", "-m", "not slow")),
 ]
 

@@ -260,8 +260,8 @@ _UNCHECKED = object()
 
 
 def _check_causal_mask(mask: torch.Tensor, sparse_mode: int = 3) -> None:
-    """sparse_mode 3 (and 4) reads the mask as the compressed causal pattern: the chip does not look at
-    every value but builds the causal band from it, so any other mask is silently wrong there.
+    """sparse_mode 3 (and 4) reads the mask as the compressed causal pattern: the chip does not
+    look at every value but builds the causal band from it, so any other mask is silently wrong.
     The simulator checks the values once per mask contents: upper triangle 1 (masked), the rest
     0 (TORCH_NPU_CONTRACTS.md section 7: upstream passes triu(ones(2048, 2048), diagonal=1))."""
     # Checked once per tensor and contents (the attention builder passes one mask throughout),
@@ -390,9 +390,10 @@ def _attend_single_tokens(query, key, value, block_table, batch_rows, token_rows
     j = torch.arange(length, device=dev)
     kv_t = torch.tensor(kv_lens, device=dev)[:, None]
     if min(kv_lens) != length:
-        masked = ~(j < kv_t)
+        masked = j >= kv_t
     if band is not None and length - 1 - band[0] > 0:
-        masked = (j < kv_t - 1 - band[0]) | (masked if masked is not None else False)
+        before = j < kv_t - 1 - band[0]
+        masked = before if masked is None else before | masked
         # Keys before the band are not read (the chip's tiling skips them; vLLM points the
         # blocks that hold only such keys at the null block, whose values may be anything).
         kf, vf = (torch.where(masked[:, :, None, None], 0.0, x) for x in (kf, vf))
