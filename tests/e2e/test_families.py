@@ -9,13 +9,18 @@ steps read a block table with the null block in it. Gemma-3's text model and EXA
 alternate a sliding layer with a full one (per-layer windows, two KV cache groups); Gemma-3 adds
 q/k norms, a query pre-attention scalar, (1 + w) RMSNorms and GELU-tanh. Phi-3 (fused qkv and
 gate/up), Granite (multipliers), ERNIE-4.5 and GLM-4 (a partial rotary dim of 16) run on the
-causal path.
+causal path, and OLMo-2 and Seed-OSS through vLLM's Transformers backend (in a process of their
+own: see FAMILIES).
 
 Families whose attention has no Ascend kernel here are refused while the engine starts (the
 model's layers are built before any weight loads), naming what is missing: Gemma-2's logit
 soft-capping, GPT-OSS's attention sinks."""
 
 import functools
+import json
+import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -24,6 +29,7 @@ from tests.e2e.conftest import (PROMPTS, check_identical, check_logprobs_close, 
                                 expected_replays, hf_greedy, loaded_class, MAX_TOKENS,
                                 model_path, replays, vllm_greedy)
 
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 LONG = ("Once upon a time, in a land far away, there lived a king who had three daughters and "
         "a very large castle by the sea")
 FAMILIES = {
@@ -44,6 +50,14 @@ FAMILIES = {
     # A rotary dim of 16 (partial 0.5 of 32), which npu_mrope does not take: the unfused RoPE
     # (ops/rotary_embedding.py). vLLM refuses GLM-4 in float16.
     "glm4": dict(dtype="bfloat16", block_size=128, prompts=PROMPTS, model_class="Glm4ForCausalLM"),
+    # vLLM 0.32 has no class of its own for OLMo-2 (full-width q/k norms) and Seed-OSS: it serves
+    # them through its Transformers backend, HF's modelling code on vLLM's attention. Building
+    # such a model changes HF's classes of its family in that process, and HF's reference must
+    # run without those changes: their engines run in a process of their own (own_process).
+    "olmo2": dict(dtype="float16", block_size=128, prompts=PROMPTS,
+                  model_class="TransformersForCausalLM", own_process=True),
+    "seed_oss": dict(dtype="float16", block_size=128, prompts=PROMPTS,
+                     model_class="TransformersForCausalLM", own_process=True),
 }
 MODES = ["NONE", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]
 CAPTURE_SIZES = [1, 2, 4]  # the prompts' decode batch (4) is a captured size
@@ -53,6 +67,12 @@ CAPTURE_SIZES = [1, 2, 4]  # the prompts' decode batch (4) is a captured size
 def run(family: str, mode: str) -> dict:
     """The family's greedy outputs in ``mode``, its model class and the replays they made:
     one engine per family and mode, made once for this module's tests."""
+    if FAMILIES[family].get("own_process"):
+        return _runs_in_own_process()[family][mode]
+    return engine_run(family, mode)
+
+
+def engine_run(family: str, mode: str) -> dict:
     spec = FAMILIES[family]
     with engine(model_path(family), dtype=spec["dtype"], block_size=spec["block_size"],
                 compilation_config={"cudagraph_mode": mode,
@@ -62,6 +82,30 @@ def run(family: str, mode: str) -> dict:
         layers = llm.llm_engine.vllm_config.model_config.hf_config.num_hidden_layers
         return dict(outs=outs, made=made, model_class=loaded_class(llm),
                     expected=expected_replays(mode, made["steps"], layers, max(CAPTURE_SIZES)))
+
+
+OWN_PROCESS_SCRIPT = """
+import json, sys
+from tests.e2e.test_families import MODES, engine_run
+print("RESULT", json.dumps({f: {m: engine_run(f, m) for m in MODES} for f in sys.argv[1:]}))
+"""
+
+
+@functools.lru_cache(maxsize=None)
+def _runs_in_own_process() -> dict:
+    """run() of the own_process families, every mode, in one process (one import of vLLM):
+    family -> mode -> result, the logprobs' token ids made ints again."""
+    families = [f for f, spec in FAMILIES.items() if spec.get("own_process")]
+    proc = subprocess.run([sys.executable, "-c", OWN_PROCESS_SCRIPT, *families],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, f"exit {proc.returncode}\n{proc.stdout[-2000:]}{proc.stderr[-4000:]}"
+    results = json.loads(lines[0].removeprefix("RESULT "))
+    for per_mode in results.values():
+        for result in per_mode.values():
+            result["outs"] = [(tokens, [{int(t): lp for t, lp in step.items()} for step in steps])
+                              for tokens, steps in result["outs"]]
+    return results
 
 
 # The developer's loop: the sliding windows in the default mode; the rest in the full tier.
