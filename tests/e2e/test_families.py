@@ -34,7 +34,7 @@ LONG = ("Once upon a time, in a land far away, there lived a king who had three 
         "a very large castle by the sea")
 FAMILIES = {
     # float16: the tighter of FIA's two dtypes in the comparison (conftest.LOGPROB_TOLERANCE);
-    # a window one key wider or narrower moves a logprob by 0.59 (measured), four times it.
+    # a window one key wider moves a logprob by 0.59 (measured), four times it.
     "mistral": dict(dtype="float16", block_size=16, prompts=PROMPTS + [LONG],
                     model_class="MistralForCausalLM"),
     # A sliding layer and a full one (two KV cache groups); vLLM refuses Gemma-3 in float16.
