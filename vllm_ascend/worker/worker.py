@@ -24,6 +24,7 @@ from vllm_ascend.device_allocator import sleep
 from vllm_ascend.device_allocator.vmm import NPUMemAllocator
 from vllm_ascend.worker import choice
 from vllm_ascend.worker.model_runner import NPUModelRunner
+from vllm_ascend.worker.summary import summary as engine_summary
 
 logger = get_logger(__name__)
 GiB = float(1 << 30)
@@ -272,6 +273,10 @@ class NPUWorker(Worker):
         its dev mode (VLLM_SERVER_DEV_MODE=1) as POST /collective_rpc."""
         return {**self.model_runner.graph_state.counts(),
                 "streams_in_use": device.current.streams_in_use()}
+
+    def summary(self) -> dict:
+        """What this engine runs (worker/summary.py), for ``collective_rpc("summary")``."""
+        return engine_summary(self.vllm_config)
 
     def recent_steps(self, clear: bool = False) -> list[dict]:
         """This worker's latest steps (up to 1024) as the runner padded them: runtime mode,
