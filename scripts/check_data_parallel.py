@@ -11,6 +11,7 @@ FULL_AND_PIECEWISE in test_serve.py and test_defaults.py.
 
 import argparse
 import concurrent.futures
+import json
 import os
 
 
@@ -26,7 +27,8 @@ def main() -> None:
     os.environ.setdefault("HCCL_BUFFSIZE", "16")  # 2 x 16 MB per communicator, 2 GiB devices
 
     from tests.e2e.conftest import (check_logprobs_close, hf_greedy, model_path,
-                                    served_completion, served_graph_counts, vllm_server)
+                                    served_completion, served_graph_counts, served_rpc,
+                                    vllm_server)
 
     path, tokens = model_path(args.family), 16
     prompts = ["The capital of France is", "1, 2, 3, 4,", "Hi there",
@@ -42,6 +44,8 @@ def main() -> None:
             check_logprobs_close(hf_greedy(path, prompt, tokens), out, repr(prompt),
                                  dtype=args.dtype)
         print(f"{args.mode}: {len(prompts)} of {len(prompts)} answers close to HF transformers'")
+        # what it ran (NPUWorker.summary), for the test suite
+        print("engine:", json.dumps(served_rpc(base, "summary")[0]))
         pinned = served_completion(base, "m", "Hi there", tokens, {"X-data-parallel-rank": "0"})
         check_logprobs_close(hf_greedy(path, "Hi there", tokens), pinned, "pinned",
                              dtype=args.dtype)

@@ -13,6 +13,7 @@ script); this checks the others, or a layout of your own.
 """
 
 import argparse
+import json
 import os
 import pathlib
 import sys
@@ -40,12 +41,14 @@ def check(mode: str, family: str, tp: int, pp: int, speculative: str | None,
                     "cudagraph_mode": mode, "cudagraph_capture_sizes": sizes}, **extra) as llm:
         outs = vllm_greedy(llm, PROMPTS, n)
         ranks = graph_counts_per_rank(llm)
+        summary = llm.ascend_summary
         spec = {m.name.removeprefix("vllm:spec_decode_"): m.value for m in llm.get_metrics()
                 if m.name.startswith("vllm:spec_decode_num") and hasattr(m, "value")}
     for prompt, out in zip(PROMPTS, outs):
         check_logprobs_close(hf_greedy(model_path(family), prompt, n), out, f"{mode} {prompt!r}",
                              dtype=dtype)
     print(f"{mode}: {len(PROMPTS)} of {len(PROMPTS)} answers close to HF transformers'")
+    print("engine:", json.dumps(summary))  # what it ran (NPUWorker.summary), for the test suite
     for rank, counts in enumerate(ranks):
         print(f"  rank {rank}: captured {counts['captured']}, replayed {counts['replayed']}, "
               f"drafter {counts.get('drafter', 'none')}, streams {counts['streams_in_use']}")

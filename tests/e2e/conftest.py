@@ -26,7 +26,7 @@ os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rp
 
 from scripts.models import (agreeing_mtp_dir, eagle_head_dir,  # noqa: E402
                             quantized_model_dir, smollm2_dir, tiny_model_dir)
-from tests.e2e import w8a8_reference  # noqa: E402
+from tests.e2e import cells, w8a8_reference  # noqa: E402
 
 PROMPTS = [
     "The capital of France is",
@@ -94,6 +94,19 @@ def spec_target(family: str, method: str) -> str:
     return agreeing_mtp_dir(family) if method == "mtp" + AGREEING else model_path(family)
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    cells.new_test()  # before the setup: a module's engines count for the test that made them
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = (yield).get_result()
+    if report.when == "call" and report.passed:
+        cells.write_passed(item)
+
+
 @contextlib.contextmanager
 def in_process(multiprocess: bool = False):
     """Engines made inside the block run their engine core in this process
@@ -143,6 +156,7 @@ def engine(model: str, multiprocess: bool = False, **kwargs):
     with in_process(multiprocess):
         llm = LLM(model, **args)
         try:
+            llm.ascend_summary = cells.note_engine(llm.collective_rpc("summary")[0])
             yield llm
         finally:
             # vLLM's shutdown unfreezes the heap and collects it whole, twice (to free CUDA
@@ -489,6 +503,7 @@ def vllm_server(model: str, name: "str | None", *args: str, start_s: int = 300,
         else:
             pytest.fail(f"vllm serve did not become healthy in {start_s} s")
         log.seek(0)
+        cells.note_engine(served_rpc(base, "summary")[0])
         yield base, log.read()
     finally:
         proc.terminate()

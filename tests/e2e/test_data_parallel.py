@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from tests.conftest import ROOT
+from tests.e2e.cells import note_printed_engines
 
 # The full tier only: a served DP=2 engine (three processes importing vLLM).
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -26,6 +27,7 @@ def test_moe_served_with_dp2_and_ep_in_full_decode_only_answers_as_hf_with_full_
                           "--mode", "FULL_DECODE_ONLY"], capture_output=True, text=True,
                          timeout=560)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-4000:]
+    note_printed_engines(run.stdout)
     assert "FULL_DECODE_ONLY: 4 of 4 answers close to HF transformers'" in run.stdout, run.stdout
     assert "a request pinned to DP rank 0, rank 1 idle: close to HF" in run.stdout, run.stdout
     ranks = re.findall(r"DP engine 0, TP rank (\d): captured (\{.*?\}), replayed (\{.*?\})",

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from tests.e2e.cells import note_engine
 from tests.e2e.conftest import (check_logprobs_close, check_plan, check_printed_plan,
                                 default_env, hf_greedy, model_path, plan_command,
                                 served_completion, served_graph_counts, served_rpc, vllm_server)
@@ -53,7 +54,8 @@ if __name__ == "__main__":
             "mode": mode, "tokens": list(out.token_ids),
             "logprobs": [{t: lp.logprob for t, lp in step.items()} for step in out.logprobs],
             "figures": llm.collective_rpc("startup_figures")[0],
-            "counts": llm.collective_rpc("graph_counts")[0]}), flush=True)
+            "counts": llm.collective_rpc("graph_counts")[0],
+            "summary": llm.collective_rpc("summary")[0]}), flush=True)
         llm.llm_engine.engine_core.shutdown()
         del llm
 """
@@ -90,6 +92,7 @@ def test_llm_with_defaults_answers_as_hf_in_every_graph_mode(llm_runs, mode):
                 "FULL": {"FULL": TOKENS}, "FULL_DECODE_ONLY": {"FULL": TOKENS - 1}}[mode]
     assert result["counts"]["replayed"] == replayed
     check_plan(result["figures"], mode)
+    note_engine(result["summary"])
 
 
 def test_a_moe_model_served_with_dp2_and_ep_and_nothing_else_answers():

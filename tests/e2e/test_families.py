@@ -1,4 +1,4 @@
-"""Families that run through vLLM's own model classes (no model file of ours), against HF
+"""Model families against HF
 transformers' fp32 by value in NONE, FULL_DECODE_ONLY and FULL_AND_PIECEWISE, with the graphs
 replayed that the steps call for; a graph mode gives the eager result exactly (the same kernels).
 
@@ -10,7 +10,8 @@ alternate a sliding layer with a full one (per-layer windows, two KV cache group
 q/k norms, a query pre-attention scalar, (1 + w) RMSNorms and GELU-tanh. Phi-3 (fused qkv and
 gate/up), Granite (multipliers), ERNIE-4.5 and GLM-4 (a partial rotary dim of 16) run on the
 causal path, and OLMo-2 and Seed-OSS through vLLM's Transformers backend (in a process of their
-own: see FAMILIES).
+own: see FAMILIES). Most run through vLLM's own model classes, with no model file of ours;
+Qwen2 and Qwen3 through their files (vllm_ascend/models/), the same matrix.
 
 Families whose attention has no Ascend kernel here are refused while the engine starts (the
 model's layers are built before any weight loads), naming what is missing: Gemma-2's logit
@@ -25,6 +26,7 @@ import sys
 import pytest
 
 from scripts.models import config_only_dir
+from tests.e2e.cells import note_engine
 from tests.e2e.conftest import (PROMPTS, check_identical, check_logprobs_close, engine,
                                 expected_replays, hf_greedy, loaded_class, MAX_TOKENS,
                                 model_path, replays, vllm_greedy)
@@ -50,6 +52,11 @@ FAMILIES = {
     # A rotary dim of 16 (partial 0.5 of 32), which npu_mrope does not take: the unfused RoPE
     # (ops/rotary_embedding.py). vLLM refuses GLM-4 in float16.
     "glm4": dict(dtype="bfloat16", block_size=128, prompts=PROMPTS, model_class="Glm4ForCausalLM"),
+    # Families with a file of ours (hand-encoded fusions; Llama's modes: test_graph_modes.py).
+    "qwen2": dict(dtype="float16", block_size=128, prompts=PROMPTS,
+                  model_class="AscendQwen2ForCausalLM"),
+    "qwen3": dict(dtype="float16", block_size=128, prompts=PROMPTS,
+                  model_class="AscendQwen3ForCausalLM"),
     # vLLM 0.32 has no class of its own for OLMo-2 (full-width q/k norms) and Seed-OSS: it serves
     # them through its Transformers backend, HF's modelling code on vLLM's attention. Building
     # such a model changes HF's classes of its family in that process, and HF's reference must
@@ -67,9 +74,10 @@ CAPTURE_SIZES = [1, 2, 4]  # the prompts' decode batch (4) is a captured size
 def run(family: str, mode: str) -> dict:
     """The family's greedy outputs in ``mode``, its model class and the replays they made:
     one engine per family and mode, made once for this module's tests."""
-    if FAMILIES[family].get("own_process"):
-        return _runs_in_own_process()[family][mode]
-    return engine_run(family, mode)
+    result = (_runs_in_own_process()[family][mode] if FAMILIES[family].get("own_process")
+              else engine_run(family, mode))
+    note_engine(result["summary"])  # for the test that made it (in a process of its own)
+    return result
 
 
 def engine_run(family: str, mode: str) -> dict:
@@ -81,6 +89,7 @@ def engine_run(family: str, mode: str) -> dict:
             outs = vllm_greedy(llm, spec["prompts"], MAX_TOKENS)
         layers = llm.llm_engine.vllm_config.model_config.hf_config.num_hidden_layers
         return dict(outs=outs, made=made, model_class=loaded_class(llm),
+                    summary=llm.ascend_summary,
                     expected=expected_replays(mode, made["steps"], layers, max(CAPTURE_SIZES)))
 
 
@@ -117,7 +126,7 @@ QUICK = {("mistral", "FULL_AND_PIECEWISE"), ("gemma3", "FULL_AND_PIECEWISE")}
     for f in FAMILIES for m in MODES])
 def test_family_is_close_to_hf_with_the_replays_its_steps_call_for(family, mode):
     spec, result = FAMILIES[family], run(family, mode)
-    assert result["model_class"] == spec["model_class"]  # vLLM's own class: no file of ours
+    assert result["model_class"] == spec["model_class"]  # vLLM's own class, or our file
     for prompt, out in zip(spec["prompts"], result["outs"]):
         assert check_logprobs_close(hf_greedy(model_path(family), prompt, MAX_TOKENS), out,
                                     f"{family} {mode} {prompt[:24]!r}",

@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from tests.conftest import ROOT
+from tests.e2e.cells import note_printed_engines
 from tests.e2e.conftest import MAX_TOKENS, PROMPTS
 
 # The full tier only: a process that imports vLLM, and two worker processes.
@@ -25,6 +26,7 @@ def test_pipeline_parallel_on_the_multiprocessing_executor_replays_on_both_stage
                           "--pipeline-parallel-size", "2", "--modes", "FULL_DECODE_ONLY"],
                          capture_output=True, text=True, timeout=560)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-4000:]
+    note_printed_engines(run.stdout)
     n = len(PROMPTS)
     assert f"FULL_DECODE_ONLY: {n} of {n} answers close to HF transformers'" in run.stdout, \
         run.stdout
