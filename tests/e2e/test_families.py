@@ -1,6 +1,6 @@
-"""Model families against HF
-transformers' fp32 by value in NONE, FULL_DECODE_ONLY and FULL_AND_PIECEWISE, with the graphs
-replayed that the steps call for; a graph mode gives the eager result exactly (the same kernels).
+"""Model families against HF transformers' fp32 by value in NONE, FULL_DECODE_ONLY and
+FULL_AND_PIECEWISE, with the graphs replayed that the steps call for; a graph mode gives the
+eager result exactly (the same kernels).
 
 Mistral has a sliding window of 6 keys (FIA's band, sparse_mode 4: attention/backend.py
 fia_mask_args), which every prompt reaches past in its prefill or its decode; the long prompt
