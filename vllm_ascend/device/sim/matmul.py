@@ -10,8 +10,11 @@ float32 and rounds once, as the chip does; fewer rows keep torch's own kernel, w
 weight and is faster there (1 row: 0.37 ms vs 1.40 ms for the same product).
 
 Batch invariance is kept, so a graph's padded batch computes each real row exactly as the eager
-step does: torch's bf16 kernel gives a row the same bits whatever the other rows, and MKL's
-float32 kernel does too when the row count is a multiple of 16 (measured for every multiple of 16
+step does. torch's bf16 kernel does not give a row the same bits whatever the other rows on
+every CPU (on an AVX-512-BF16 EPYC, one row of a [1, 1536] x [1536, 576] product differs from
+the same row among eight: a vector kernel for one row), so products of fewer than 9 rows run it
+padded to 8 rows, one row count; MKL's float32 kernel gives a row the same bits when the row
+count is a multiple of 16 (measured for every multiple of 16
 up to 1024, 1 and 2 threads, the shapes of the test models and SmolLM2;
 tests/ut/test_sim_matmul.py checks it), so rows are padded to one. The switch point is 9 rows: a
 step of 8 or fewer rows is padded to a capture size of at most 8 with vLLM's default sizes
@@ -33,6 +36,7 @@ in that process, and call the originals for every other dtype.
 import torch
 
 FP32_FROM_ROWS = 9
+SMALL_ROWS = FP32_FROM_ROWS - 1  # fewer rows run torch's kernel padded to this many
 ROW_MULTIPLE = 16
 _LOW = (torch.bfloat16, torch.float16)
 _ORIGINAL: dict = {}
@@ -73,13 +77,29 @@ def _padded_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return _ORIGINAL["mm"](a32, b.to(torch.float32))[:n]
 
 
+def _small(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.dtype in _LOW and a.dtype == b.dtype and a.dim() == 2 and b.dim() == 2
+            and 0 < a.shape[0] < SMALL_ROWS)
+
+
+def _padded_rows(a: torch.Tensor) -> torch.Tensor:
+    """a with zero rows appended up to SMALL_ROWS: torch's kernel then runs one row count."""
+    padded = a.new_zeros(SMALL_ROWS, a.shape[1])
+    padded[: a.shape[0]].copy_(a)
+    return padded
+
+
 def _mm(keyset, a, b):
+    if _small(a, b):
+        return _ORIGINAL["mm"].call_boxed(keyset, _padded_rows(a), b)[: a.shape[0]]
     if not _fast(a, b):
         return _ORIGINAL["mm"].call_boxed(keyset, a, b)
     return _product_fp32(a, b).to(a.dtype)
 
 
 def _mm_out(keyset, a, b, *, out):
+    if _small(a, b):
+        return out.copy_(_mm(keyset, a, b))
     if not _fast(a, b):
         return _ORIGINAL["mm.out"].call_boxed(keyset, a, b, out=out)
     return out.copy_(_product_fp32(a, b))
@@ -95,12 +115,17 @@ def _addmm_fp32(bias, a, b, beta, alpha) -> torch.Tensor:
 
 
 def _addmm(keyset, bias, a, b, *, beta=1, alpha=1):
+    if _small(a, b) and (bias.dim() < 2 or bias.shape[0] == 1):  # a bias row, broadcast
+        return _ORIGINAL["addmm"].call_boxed(keyset, bias, _padded_rows(a), b, beta=beta,
+                                             alpha=alpha)[: a.shape[0]]
     if not _fast(a, b) or bias.dtype != a.dtype:
         return _ORIGINAL["addmm"].call_boxed(keyset, bias, a, b, beta=beta, alpha=alpha)
     return _addmm_fp32(bias, a, b, beta, alpha).to(a.dtype)
 
 
 def _addmm_out(keyset, bias, a, b, *, beta=1, alpha=1, out):
+    if _small(a, b) and (bias.dim() < 2 or bias.shape[0] == 1):
+        return out.copy_(_addmm(keyset, bias, a, b, beta=beta, alpha=alpha))
     if not _fast(a, b) or bias.dtype != a.dtype:
         return _ORIGINAL["addmm.out"].call_boxed(keyset, bias, a, b, beta=beta, alpha=alpha,
                                                  out=out)
