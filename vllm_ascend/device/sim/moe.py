@@ -13,6 +13,7 @@ import torch
 from torch.library import Library
 
 from vllm_ascend.device.sim.ops import PARAM_INVALID, TILING_ERROR, AscendOpError
+from vllm_ascend.device.sim.trace import kernel
 
 _lib = Library("ascend_sim", "FRAGMENT")
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -170,7 +171,7 @@ def _unpermute_impl(permuted_tokens, sorted_indices, probs=None, padded_mode=Fal
     return gathered.sum(1).to(permuted_tokens.dtype)
 
 
-_lib.impl("npu_moe_gating_top_k_softmax", _gating_impl, "CPU")
-_lib.impl("npu_moe_init_routing_v2", _routing_impl, "CPU")
-_lib.impl("npu_grouped_matmul", _grouped_matmul_impl, "CPU")
-_lib.impl("npu_moe_token_unpermute", _unpermute_impl, "CPU")
+_lib.impl("npu_moe_gating_top_k_softmax", kernel("npu_moe_gating_top_k_softmax", _gating_impl), "CPU")
+_lib.impl("npu_moe_init_routing_v2", kernel("npu_moe_init_routing_v2", _routing_impl), "CPU")
+_lib.impl("npu_grouped_matmul", kernel("npu_grouped_matmul", _grouped_matmul_impl), "CPU")
+_lib.impl("npu_moe_token_unpermute", kernel("npu_moe_token_unpermute", _unpermute_impl), "CPU")

@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from vllm_ascend.device.sim import memory as _memory
 from vllm_ascend.device.sim.matmul import rows_alike
+from vllm_ascend.device.sim.trace import kernel
 
 _lib = Library("ascend_sim", "DEF")
 
@@ -505,8 +506,8 @@ def fia_workspace_elements(query, block_table, num_heads) -> int:
     return 4096 + 64 * num_heads * (query.shape[0] + batch)
 
 
-_lib.impl("npu_fused_infer_attention_score", _sampling(_fia_impl), "CPU")
-_lib.impl("npu_fused_infer_attention_score.out", _sampling(_fia_out_impl), "CPU")
+_lib.impl("npu_fused_infer_attention_score", kernel("npu_fused_infer_attention_score", _sampling(_fia_impl)), "CPU")
+_lib.impl("npu_fused_infer_attention_score.out", kernel("npu_fused_infer_attention_score.out", _sampling(_fia_out_impl)), "CPU")
 
 
 # -- writing K/V into the paged caches -----------------------------------------------------------
@@ -563,7 +564,7 @@ def _scatter_impl(key, value, key_cache, value_cache, slot_mapping, *, cache_mod
     value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slots, value)
 
 
-_lib.impl("npu_scatter_pa_kv_cache", _scatter_impl, "CPU")
+_lib.impl("npu_scatter_pa_kv_cache", kernel("npu_scatter_pa_kv_cache", _scatter_impl), "CPU")
 
 
 # -- norms, activation, rotary embedding ---------------------------------------------------------
@@ -702,11 +703,11 @@ def _mrope_impl(positions, query, key, cos_sin_cache, head_size, *, mrope_sectio
     return apply(query), apply(key)
 
 
-_lib.impl("npu_rms_norm", _rms_norm_impl, "CPU")
-_lib.impl("npu_add_rms_norm", _add_rms_norm_impl, "CPU")
-_lib.impl("npu_swiglu", _sampling(_swiglu_impl), "CPU")
-_lib.impl("npu_rotary_mul", _rotary_mul_impl, "CPU")
-_lib.impl("npu_mrope", _mrope_impl, "CPU")
+_lib.impl("npu_rms_norm", kernel("npu_rms_norm", _rms_norm_impl), "CPU")
+_lib.impl("npu_add_rms_norm", kernel("npu_add_rms_norm", _add_rms_norm_impl), "CPU")
+_lib.impl("npu_swiglu", kernel("npu_swiglu", _sampling(_swiglu_impl)), "CPU")
+_lib.impl("npu_rotary_mul", kernel("npu_rotary_mul", _rotary_mul_impl), "CPU")
+_lib.impl("npu_mrope", kernel("npu_mrope", _mrope_impl), "CPU")
 
 
 # Shapes only, for torch.compile's tracing (torch_npu registers Meta kernels for its ops too).

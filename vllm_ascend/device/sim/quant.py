@@ -13,6 +13,7 @@ import torch
 from torch.library import Library
 
 from vllm_ascend.device.sim.ops import PARAM_INVALID, TILING_ERROR, AscendOpError, rms_float
+from vllm_ascend.device.sim.trace import kernel
 
 _lib = Library("ascend_sim", "FRAGMENT")
 HALF = (torch.float16, torch.bfloat16)
@@ -217,7 +218,7 @@ for _name, _impl in (("npu_dynamic_quant", _dynamic_quant_impl), ("npu_quantize"
                      ("npu_quant_matmul", _quant_matmul_impl),
                      ("npu_add_rms_norm_quant", _add_rms_norm_quant_impl),
                      ("npu_add_rms_norm_dynamic_quant", _add_rms_norm_dynamic_quant_impl)):
-    _lib.impl(_name, _impl, "CPU")
+    _lib.impl(_name, kernel(_name, _impl), "CPU")
 
 
 @torch.library.register_fake("ascend_sim::npu_dynamic_quant")

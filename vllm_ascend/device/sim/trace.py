@@ -2,11 +2,13 @@
 
 With ``VLLM_ASCEND_SIM_CALL_LOG=<path>`` set when a process imports the simulator or prepares
 an engine, every call into the simulated torch_npu surface (while the setting stays) appends one
-JSON line per distinct call shape made from Python (an eager step, attention between graph
-pieces, a capture or a task update; a compiled piece calls its ops directly): the API name, and
-for each argument (positional in order, then keywords) its kind: a tensor's dtype, rank and
-contiguity, a host list, a string's value, a stream's state. The simulator's own setting: the
-product does not know of it.
+JSON line per distinct call shape: the API name, and for each argument (positional in order,
+then keywords) its kind: a tensor's dtype, rank and contiguity, a host list, a string's value, a
+stream's state. A call made from Python (an eager step, attention between graph pieces, a
+capture or a task update) is logged as its call site made it; a compiled piece calls the
+operators directly, and those calls are logged by the operator (``kernel``) as the dispatcher
+hands them over, with ``"in": "graph"``. The simulator's own setting: the product does not know
+of it.
 """
 
 import functools
@@ -37,7 +39,10 @@ def describe(value):
     return type(value).__name__
 
 
-def _log(name: str, args, kwargs) -> None:
+_local = threading.local()  # depth of logged Python calls: their operators are not logged again
+
+
+def _log(name: str, args, kwargs, where: str | None = None) -> None:
     if torch.compiler.is_compiling():
         # Dynamo is tracing the call into a compiled piece: the piece later calls the op
         # itself, not this wrapper, so only calls made from Python (eager steps, the attention
@@ -48,6 +53,8 @@ def _log(name: str, args, kwargs) -> None:
         return
     record = {"api": name, "args": [describe(a) for a in args],
               "kwargs": {k: describe(v) for k, v in kwargs.items()}}
+    if where:
+        record["in"] = where
     line = json.dumps(record, sort_keys=True)
     with _lock:
         if (path, line) in _seen:
@@ -57,10 +64,30 @@ def _log(name: str, args, kwargs) -> None:
             f.write(line + "\n")
 
 
+def _call_logged(name: str, fn, args, kwargs, bound=()):
+    _log(name, args, kwargs)
+    _local.depth = getattr(_local, "depth", 0) + 1
+    try:
+        return fn(*bound, *args, **kwargs)
+    finally:
+        _local.depth -= 1
+
+
 def traced(name: str, fn):
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        _log(name, args, kwargs)
+        return _call_logged(name, fn, args, kwargs)
+
+    return call
+
+
+def kernel(name: str, fn):
+    """An operator's implementation, logging the calls no Python call site logged: a compiled
+    piece's."""
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if not getattr(_local, "depth", 0) and os.environ.get(CALL_LOG_ENV):
+            _log(name, args, kwargs, where="graph")
         return fn(*args, **kwargs)
 
     return call
@@ -93,8 +120,7 @@ def install(torch_npu_module, npu_module) -> None:
 
     @functools.wraps(call)
     def traced_call(self, *args, **kwargs):
-        _log(self.name, args, kwargs)
-        return call(self, *args, **kwargs)
+        return _call_logged(self.name, call, args, kwargs, bound=(self,))
 
     type(fias[0]).__call__ = traced_call
     for fia in fias:
