@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
 logger = get_logger(__name__)
 MLA_OP = "vllm::ascend_mla_attention"  # the Ascend MLA layer's attention op (ops/mla.py)
+COMPILE_BACKEND = "vllm_ascend.compilation.compiler.AscendCompiler"  # FX passes, no codegen
 
 ASCEND_BLOCK_SIZE = 128  # the paged-KV block size FIA is used with
 FIA_DTYPES = (torch.bfloat16, torch.float16)  # what FIA computes in; the first is preferred
@@ -141,6 +142,14 @@ class NPUPlatform(Platform):
         pass
 
     @classmethod
+    def get_compile_backend(cls) -> str:
+        return COMPILE_BACKEND
+
+    @classmethod
+    def get_pass_manager_cls(cls) -> str:
+        return "vllm_ascend.compilation.passes.AscendPassManager"
+
+    @classmethod
     def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None) -> str:
         if getattr(attn_selector_config, "use_mla", False):
             if getattr(attn_selector_config, "use_sparse", False):
@@ -230,21 +239,29 @@ class NPUPlatform(Platform):
         compilation_config = vllm_config.compilation_config
         if compilation_config.mode == CompilationMode.VLLM_COMPILE:
             # No usable Inductor on Ascend: Dynamo splits the model into pieces and each piece
-            # runs as traced (the simulator's graphs record dispatcher ops, which Inductor's
-            # generated kernels would bypass).
-            if compilation_config.backend not in ("", "eager"):
-                logger.info("vllm-ascend: compile backend %r replaced by 'eager' (no Inductor "
-                            "code generation on Ascend)", compilation_config.backend)
-            compilation_config.backend = "eager"
-            # vLLM 0.32 skips AOT compile for the eager backend but, with VLLM_USE_AOT_COMPILE
-            # on (its default on torch >= 2.10), still hashes the whole config on every
-            # forward call (decorators.py, ~5 ms a step); with nothing to compile ahead of
-            # time, the switch is off.
+            # runs as traced, after the Ascend FX passes (compilation/compiler.py; the
+            # simulator's graphs record dispatcher ops, which Inductor's generated kernels would
+            # bypass).
+            if compilation_config.backend not in ("", "eager", "inductor", COMPILE_BACKEND):
+                raise ValueError(
+                    f"compile backend {compilation_config.backend!r} is not available on "
+                    "Ascend; leave compilation_config.backend unset (the Ascend backend runs "
+                    "the FX fusion passes, with no code generation).")
+            if compilation_config.backend == "inductor":
+                logger.info("vllm-ascend: compile backend 'inductor' replaced by the Ascend "
+                            "one (FX fusion passes, no Inductor code generation on Ascend)")
+            compilation_config.backend = COMPILE_BACKEND
+            # With VLLM_USE_AOT_COMPILE on (its default on torch >= 2.10) vLLM 0.32 hashes the
+            # whole config on every forward call (decorators.py, ~5 ms a step); the Ascend
+            # backend keeps no compiled artifact, so the switch is off.
             if os.environ.get("VLLM_USE_AOT_COMPILE", "0") != "0":
-                logger.info("vllm-ascend: VLLM_USE_AOT_COMPILE=%s ignored: the eager compile "
+                logger.info("vllm-ascend: VLLM_USE_AOT_COMPILE=%s ignored: the Ascend compile "
                             "backend has no ahead-of-time artifact",
                             os.environ["VLLM_USE_AOT_COMPILE"])
             os.environ["VLLM_USE_AOT_COMPILE"] = "0"
+        elif compilation_config.backend == COMPILE_BACKEND:
+            # vLLM's default for every mode; the other modes hand it to torch.compile itself.
+            compilation_config.backend = cls.simple_compile_backend
         compilation_config.cudagraph_num_of_warmups = max(
             1, compilation_config.cudagraph_num_of_warmups)
         cls._apply_graph_mode(vllm_config)

@@ -138,6 +138,40 @@ def in_process(multiprocess: bool = False):
 
 
 @contextlib.contextmanager
+def vllms_own_class(arch: str):
+    """Engines made in the block (in this process) load vLLM's own class for ``arch`` instead of
+    this plugin's model file: a family with no file, as any other family vLLM serves."""
+    from vllm import ModelRegistry
+    from vllm.model_executor.model_loader import utils as model_loader_utils
+    from vllm.plugins import load_general_plugins
+
+    from vllm_ascend.models import FAMILIES
+
+    load_general_plugins()  # once a process: it registers the files (after this, otherwise)
+    module = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+              "Qwen3ForCausalLM": "qwen3"}[arch]
+    # vLLM remembers each model config's class (model_loader/utils.py): forget it on both ways.
+    with mock.patch.dict(model_loader_utils._MODEL_ARCH_BY_HASH, clear=True):
+        ModelRegistry.register_model(arch, f"vllm.model_executor.models.{module}:{arch}")
+        try:
+            yield
+        finally:
+            ModelRegistry.register_model(arch, FAMILIES[arch])
+
+
+@contextlib.contextmanager
+def call_log(path: pathlib.Path):
+    """Yields a set that, at exit, holds the distinct torch_npu call shapes (JSON lines) made
+    by engines made and run in the block, compiled pieces' calls included
+    (vllm_ascend/device/sim/trace.py)."""
+    calls: set = set()
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_ASCEND_SIM_CALL_LOG", str(path))  # read when an engine is prepared
+        yield calls
+    calls.update(path.read_text().splitlines() if path.exists() else ())
+
+
+@contextlib.contextmanager
 def engine(model: str, multiprocess: bool = False, **kwargs):
     """An LLM on the simulator. By default its engine core runs in this process
     (VLLM_ENABLE_V1_MULTIPROCESSING=0): the same scheduler, executor, worker and runner as in

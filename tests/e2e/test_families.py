@@ -17,19 +17,21 @@ Families whose attention has no Ascend kernel here are refused while the engine 
 model's layers are built before any weight loads), naming what is missing: Gemma-2's logit
 soft-capping, GPT-OSS's attention sinks."""
 
+import contextlib
 import functools
 import json
 import pathlib
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
 from scripts.models import config_only_dir
 from tests.e2e.cells import note_engine
-from tests.e2e.conftest import (PROMPTS, check_identical, check_logprobs_close, engine,
-                                expected_replays, hf_greedy, loaded_class, MAX_TOKENS,
-                                model_path, replays, vllm_greedy)
+from tests.e2e.conftest import (PROMPTS, call_log, check_identical, check_logprobs_close,
+                                engine, expected_replays, hf_greedy, loaded_class, MAX_TOKENS,
+                                model_path, replays, vllm_greedy, vllms_own_class)
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 LONG = ("Once upon a time, in a land far away, there lived a king who had three daughters and "
@@ -56,7 +58,12 @@ FAMILIES = {
     "qwen2": dict(dtype="float16", block_size=128, prompts=PROMPTS,
                   model_class="AscendQwen2ForCausalLM"),
     "qwen3": dict(dtype="float16", block_size=128, prompts=PROMPTS,
-                  model_class="AscendQwen3ForCausalLM"),
+                  model_class="AscendQwen3ForCausalLM", call_log=True),
+    # Qwen3 through vLLM's own class, as a family with no file: the Ascend FX passes and CustomOps
+    # must make its twin's fused calls (test_a_family_with_no_file_makes_its_twins_calls).
+    "qwen3_no_file": dict(dtype="float16", block_size=128, prompts=PROMPTS, checkpoint="qwen3",
+                          model_class="Qwen3ForCausalLM", call_log=True,
+                          own_class="Qwen3ForCausalLM"),
     # vLLM 0.32 has no class of its own for OLMo-2 (full-width q/k norms) and Seed-OSS: it serves
     # them through its Transformers backend, HF's modelling code on vLLM's attention. Building
     # such a model changes HF's classes of its family in that process, and HF's reference must
@@ -82,15 +89,22 @@ def run(family: str, mode: str) -> dict:
 
 def engine_run(family: str, mode: str) -> dict:
     spec = FAMILIES[family]
-    with engine(model_path(family), dtype=spec["dtype"], block_size=spec["block_size"],
-                compilation_config={"cudagraph_mode": mode,
-                                    "cudagraph_capture_sizes": CAPTURE_SIZES}) as llm:
+    with contextlib.ExitStack() as stack:
+        if spec.get("own_class"):
+            stack.enter_context(vllms_own_class(spec["own_class"]))
+        calls = stack.enter_context(call_log(pathlib.Path(tempfile.mkdtemp()) / "calls.jsonl")) \
+            if spec.get("call_log") else set()
+        llm = stack.enter_context(engine(
+            model_path(spec.get("checkpoint", family)), dtype=spec["dtype"],
+            block_size=spec["block_size"], compilation_config={
+                "cudagraph_mode": mode, "cudagraph_capture_sizes": CAPTURE_SIZES}))
         with replays(llm) as made:
             outs = vllm_greedy(llm, spec["prompts"], MAX_TOKENS)
         layers = llm.llm_engine.vllm_config.model_config.hf_config.num_hidden_layers
-        return dict(outs=outs, made=made, model_class=loaded_class(llm),
-                    summary=llm.ascend_summary,
-                    expected=expected_replays(mode, made["steps"], layers, max(CAPTURE_SIZES)))
+        result = dict(outs=outs, made=made, model_class=loaded_class(llm),
+                      summary=llm.ascend_summary,
+                      expected=expected_replays(mode, made["steps"], layers, max(CAPTURE_SIZES)))
+    return {**result, "calls": sorted(calls)}
 
 
 OWN_PROCESS_SCRIPT = """
@@ -128,7 +142,8 @@ def test_family_is_close_to_hf_with_the_replays_its_steps_call_for(family, mode)
     spec, result = FAMILIES[family], run(family, mode)
     assert result["model_class"] == spec["model_class"]  # vLLM's own class, or our file
     for prompt, out in zip(spec["prompts"], result["outs"]):
-        assert check_logprobs_close(hf_greedy(model_path(family), prompt, MAX_TOKENS), out,
+        assert check_logprobs_close(hf_greedy(model_path(spec.get("checkpoint", family)), prompt,
+                                              MAX_TOKENS), out,
                                     f"{family} {mode} {prompt[:24]!r}",
                                     dtype=spec["dtype"]) == MAX_TOKENS
     made = result["made"]
@@ -144,6 +159,24 @@ def test_a_graph_mode_gives_the_eager_result_exactly(family, mode):
     for prompt, eager, graph in zip(FAMILIES[family]["prompts"], run(family, "NONE")["outs"],
                                     run(family, mode)["outs"]):
         check_identical(eager, graph, f"{family} {mode} {prompt[:24]!r}")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_family_with_no_file_makes_its_twins_calls(mode):
+    """vLLM's own Qwen3 class, through the Ascend CustomOps and FX passes, makes the same
+    torch_npu calls as the Qwen3 file (every call shape, compiled pieces' included: the step's
+    cos/sin rows read by npu_rotary_mul, never npu_mrope's per-layer gather), and so the same
+    output to the bit."""
+    twin, own = run("qwen3", mode), run("qwen3_no_file", mode)
+    assert own["model_class"] == "Qwen3ForCausalLM" and twin["model_class"] != "Qwen3ForCausalLM"
+    assert own["calls"] == twin["calls"], "\n".join(
+        [f"file only: {c}" for c in set(twin["calls"]) - set(own["calls"])]
+        + [f"no file only: {c}" for c in set(own["calls"]) - set(twin["calls"])])
+    in_graph = {json.loads(c)["api"] for c in own["calls"] if '"in": "graph"' in c}
+    assert {"npu_rms_norm", "npu_add_rms_norm", "npu_rotary_mul", "npu_swiglu"} <= in_graph
+    assert not any('"npu_mrope"' in c for c in own["calls"])
+    for prompt, a, b in zip(PROMPTS, twin["outs"], own["outs"]):
+        check_identical(a, b, f"Qwen3 file vs vLLM's class, {mode} {prompt[:24]!r}")
 
 
 @pytest.mark.parametrize("family,missing", [

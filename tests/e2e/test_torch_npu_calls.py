@@ -2,10 +2,11 @@
 
 Two engines of a tiny Qwen3-MoE run with the simulator's call log on: an eager one (every op
 called from Python) and one in FULL_AND_PIECEWISE (attention eager between pieces, FIA captured
-in FULL graphs and updated every step; its compiled pieces call their ops directly, unlogged); a
+in FULL graphs and updated every step; its compiled pieces call their ops directly, from the
+same call sites, and those lines are left out here); a
 third, of a tiny DeepSeek-V2 in FULL_AND_PIECEWISE, makes the MLA calls; a fourth, eager, of a
 W8A8 export of the tiny Llama (one dynamic, one static layer), the quantized ones; a fifth, eager,
-of a tiny Mistral, the sliding window's band. Each distinct
+of a tiny Mistral with n-gram drafts, the sliding window's band and npu_mrope. Each distinct
 call shape must match the table below, written from ../shared/TORCH_NPU_CONTRACTS.md and
 docs/torch_npu_calls.md (op name, positional count, keyword names, dtypes, ranks, contiguity),
 and every API of the table must be used.
@@ -15,7 +16,7 @@ import json
 
 import pytest
 
-from tests.e2e.conftest import engine, model_path, vllm_greedy
+from tests.e2e.conftest import engine, model_path, speculative_config, vllm_greedy
 
 
 def tensor(dims, dtypes=("bfloat16",), contiguous=True):
@@ -170,10 +171,16 @@ def call_log(tmp_path_factory):
                 "cudagraph_mode": "FULL_AND_PIECEWISE", "cudagraph_capture_sizes": [1, 2, 4]}) \
                 as llm:
             vllm_greedy(llm, ["The capital of France is", "Hello"], 4)
-        # Mistral's sliding window: FIA's band, eagerly (captured: the FIA_GRAPH rows).
-        with engine(model_path("mistral"), max_num_seqs=4, enforce_eager=True) as llm:
+        # Mistral's sliding window: FIA's band, eagerly (captured: the FIA_GRAPH rows). With
+        # n-gram drafts: a family with no file of ours and a drafter rotates with npu_mrope
+        # (ops/rotary_embedding.py: no step rows, which a draft could share).
+        with engine(model_path("mistral"), max_num_seqs=4, enforce_eager=True,
+                    speculative_config=speculative_config("mistral", "ngram", 2)) as llm:
             vllm_greedy(llm, ["The capital of France is", "Hello"], 4)
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    # The calls made from Python, as their call sites made them; a compiled piece's calls (the
+    # log's "in": "graph" lines, in the dispatcher's form) come from those same call sites.
+    return [call for call in map(json.loads, path.read_text().splitlines())
+            if call.get("in") != "graph"]
 
 
 def test_every_call_matches_upstreams_call_site(call_log):

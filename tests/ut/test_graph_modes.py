@@ -57,16 +57,27 @@ def test_not_a_mode_is_a_clear_error():
         resolve_graph_mode("FAST", S.ALWAYS, False)
 
 
-def test_piecewise_compilation_runs_the_eager_backend_without_aot_compile(monkeypatch):
-    # With AOT compile on, vLLM 0.32 hashes the whole config on every compiled forward call
-    # when the backend is eager (about 5 ms per decode step).
+def test_piecewise_compilation_runs_the_ascend_backend_without_aot_compile(monkeypatch):
+    # The Ascend backend runs the FX passes and keeps no artifact: vLLM 0.32's AOT compile
+    # would save one it cannot load back (and hash the whole config on every forward call).
     from vllm.config import CompilationConfig, CompilationMode, VllmConfig
 
-    from vllm_ascend.platform import NPUPlatform
+    from vllm_ascend.platform import COMPILE_BACKEND, NPUPlatform
 
     monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "1")
     config = VllmConfig(compilation_config=CompilationConfig(mode=CompilationMode.VLLM_COMPILE,
                                                              backend="inductor"))
     NPUPlatform.check_and_update_config(config)
-    assert config.compilation_config.backend == "eager"
+    assert config.compilation_config.backend == COMPILE_BACKEND
     assert os.environ["VLLM_USE_AOT_COMPILE"] == "0"
+
+
+def test_a_compile_backend_ascend_cannot_run_is_refused():
+    from vllm.config import CompilationConfig, CompilationMode, VllmConfig
+
+    from vllm_ascend.platform import NPUPlatform
+
+    config = VllmConfig(compilation_config=CompilationConfig(mode=CompilationMode.VLLM_COMPILE))
+    config.compilation_config.backend = "openxla"
+    with pytest.raises(ValueError, match="not available on Ascend"):
+        NPUPlatform.check_and_update_config(config)

@@ -58,6 +58,25 @@ class Backend:
     def torch_device(self, index: int = 0) -> torch.device:
         return torch.device(self.torch_device_type, index)
 
+    op_namespace = "npu"  # the torch.ops namespace torch_npu registers its operators in
+
+    def graph_op(self, api: str):
+        """The target an FX node calls to run torch_npu's ``api`` (compilation/passes.py)."""
+        return getattr(getattr(torch.ops, self.op_namespace), api)
+
+    def graph_api(self, target) -> str | None:
+        """The torch_npu API an FX node's target runs, or None. Dynamo records torch_npu's
+        functions as their torch.ops operators, or (torch_npu's generated bindings, if Dynamo
+        keeps them) as the functions themselves: both are recognised."""
+        if isinstance(target, (torch._ops.OpOverloadPacket, torch._ops.OpOverload)):
+            namespace, _, name = target._qualified_op_name.partition("::") if isinstance(
+                target, torch._ops.OpOverloadPacket) else target._schema.name.partition("::")
+            return name if namespace == self.op_namespace else None
+        name = getattr(target, "__name__", None)
+        if name and getattr(self.torch_npu, name, None) is target:
+            return name
+        return None
+
     def total_memory(self) -> int:
         return self.torch_npu.npu.mem_get_info()[1]
 
@@ -125,6 +144,7 @@ class NpuBackend(Backend):
 
 class SimBackend(Backend):
     name, torch_device_type, dist_backend, dispatch_key = "sim", "cpu", "gloo", "CPU"
+    op_namespace = "ascend_sim"
 
     @property
     def acl(self) -> types.ModuleType:

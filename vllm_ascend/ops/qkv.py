@@ -60,7 +60,8 @@ class StepRope:
 
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mode: str) -> torch.Tensor:
+def rotate_heads(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 mode: str) -> torch.Tensor:
     """x [1, T, heads, head_size] rotated on its first rot dims by npu_rotary_mul."""
     rot = cos.shape[-1]
     if rot == x.shape[-1]:
@@ -80,15 +81,15 @@ def split_qkv_norm_rope(qkv, q_size, kv_size, head_size, rope: StepRope, q_norm=
     nq = q_size // head_size
     if q_norm is None:
         # q and k are adjacent in qkv: rotate both in one call.
-        qk = _rope(qkv[:, : q_size + kv_size].view(1, t, -1, head_size), cos, sin, mode)[0]
+        qk = rotate_heads(qkv[:, : q_size + kv_size].view(1, t, -1, head_size), cos, sin, mode)[0]
         q, k = qk[:, :nq].contiguous(), qk[:, nq:].contiguous()
     else:
         q = torch_npu.npu_rms_norm(qkv[:, :q_size].view(t, -1, head_size), q_norm.weight,
                                    q_norm.variance_epsilon)[0]
         k = torch_npu.npu_rms_norm(qkv[:, q_size: q_size + kv_size].view(t, -1, head_size),
                                    k_norm.weight, k_norm.variance_epsilon)[0]
-        q = _rope(q.unsqueeze(0), cos, sin, mode)[0]
-        k = _rope(k.unsqueeze(0), cos, sin, mode)[0]
+        q = rotate_heads(q.unsqueeze(0), cos, sin, mode)[0]
+        k = rotate_heads(k.unsqueeze(0), cos, sin, mode)[0]
     return q.reshape(t, q_size), k.reshape(t, kv_size), qkv[:, q_size + kv_size:]
 
 

@@ -5,19 +5,38 @@ Weights are int8 per output channel, symmetric. Activations are quantized per to
 (W8A8_DYNAMIC: ``npu_dynamic_quant``) or with the checkpoint's calibrated scale and offset
 (W8A8: ``npu_quantize``); ``npu_quant_matmul`` multiplies and dequantizes. A norm before the
 layer may hand it an already quantized activation (``add_norm_quant``, the fusion the family
-files wire up), which ``apply`` takes as is.
+files wire up), which ``apply`` takes as is; in compiled pieces the norm-quant fusion pass
+(compilation/passes.py) makes the same fusion for any family.
 
 Every tensor a layer loads is checked (dtype, and that it arrived) and the layer's name is in
 each error, with the fix: a malformed checkpoint fails at load, not with wrong output.
 """
 
 import torch
+from torch.library import Library
 from vllm.model_executor.layers.linear import LinearMethodBase, RowParallelLinear
 from vllm.model_executor.utils import set_weight_attrs
+from vllm.utils.torch_utils import direct_register_custom_op
 
 from vllm_ascend.device import torch_npu
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _quantize(x: torch.Tensor, scale: torch.Tensor, scale_reciprocal: torch.Tensor,
+              offset: torch.Tensor) -> torch.Tensor:
+    """W8A8's activation quantization, multiplying by the reciprocal (upstream's
+    ``_quantize_impl``). One op that also takes ``scale``, as upstream's ``vllm.quantize``: the
+    norm-quant fusion pass hands it to npu_add_rms_norm_quant, which divides by it."""
+    return torch_npu.npu_quantize(x, scale_reciprocal, offset, torch.qint8, -1, False)
+
+
+def _quantize_fake(x, scale, scale_reciprocal, offset):
+    return torch.empty_like(x, dtype=torch.int8)
+
+
+_lib = Library("vllm_ascend", "FRAGMENT")
+direct_register_custom_op("quantize", _quantize, fake_impl=_quantize_fake, target_lib=_lib)
 
 
 class CheckpointError(ValueError):
@@ -192,8 +211,9 @@ class W8A8StaticMethod(W8A8Method):
 
     def apply(self, layer, x, bias=None):
         if x.dtype != torch.int8:
-            x = torch_npu.npu_quantize(x, layer.aclnn_input_scale_reciprocal,
-                                       layer.aclnn_input_offset, torch.qint8, -1, False)
+            x = torch.ops.vllm_ascend.quantize.default(x, layer.aclnn_input_scale,
+                                                       layer.aclnn_input_scale_reciprocal,
+                                                       layer.aclnn_input_offset)
         # The float bias is folded into quant_bias (vLLM's own bias is left unused, as upstream).
         quant_bias = layer.quant_bias if self.is_first_rank_of_row_split(layer) else None
         return torch_npu.npu_quant_matmul(x, layer.weight, layer.deq_scale, bias=quant_bias,

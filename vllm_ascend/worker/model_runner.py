@@ -24,6 +24,7 @@ from vllm_ascend.logger import get_logger
 from vllm_ascend.ops import mla  # noqa: F401  (registers the Ascend MLA layer)
 from vllm_ascend.ops.fused_moe import method as fused_moe  # (registers the MoE CustomOp)
 from vllm_ascend.ops.qkv import StepRope
+from vllm_ascend.ops.rotary_embedding import share_step_ropes
 from vllm_ascend.worker.padding import StepPadding, decide_padding
 
 logger = get_logger(__name__)
@@ -101,8 +102,14 @@ class NPUModelRunner(GPUModelRunner):
             # -1 (write nothing) until a step fills them, since its capture runs read them.
             drafter._slot_mapping_buffer = torch.full_like(
                 drafter._slot_mapping_buffer, -1, dtype=torch.int32)
-        # The model's step RoPE buffers (models/common.py), filled before each forward.
-        self.step_ropes = step_ropes_of(self.get_model())
+        # The model's step RoPE buffers (models/common.py, ops/rotary_embedding.py), filled
+        # before each forward. Not with a drafter: vLLM's get_rope gives a draft model the
+        # target's rotary module, which the draft would then call with the target's rows.
+        model = self.get_model()
+        if self.speculative_config is None:
+            share_step_ropes(model, self.scheduler_config.max_num_batched_tokens,
+                             self.model_config.dtype, step_ropes_of(model))
+        self.step_ropes = step_ropes_of(model)
         fused_moe.log_layout(self.get_model())
         draft_ropes = step_ropes_of(getattr(drafter, "model", None))
         if draft_ropes:  # a draft model of our families: vLLM's proposer calls it directly
