@@ -76,7 +76,8 @@ class Ledger:
     def __init__(self):
         self.counts: collections.Counter = collections.Counter()
         self.replayed_ops: collections.Counter = collections.Counter()
-        self._mode = _Counting(self.counts, self.replayed_ops)
+        self.launched_ops: collections.Counter = collections.Counter()  # outside replays
+        self._mode = _Counting(self.counts, self.replayed_ops, self.launched_ops)
 
     def __enter__(self) -> "Ledger":
         global _active
@@ -93,9 +94,10 @@ class Ledger:
 
 
 class _Counting(TorchDispatchMode):
-    def __init__(self, counts: collections.Counter, replayed_ops: collections.Counter):
+    def __init__(self, counts: collections.Counter, replayed_ops: collections.Counter,
+                 launched_ops: collections.Counter):
         super().__init__()
-        self.counts, self.replayed_ops = counts, replayed_ops
+        self.counts, self.replayed_ops, self.launched_ops = counts, replayed_ops, launched_ops
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -111,6 +113,7 @@ class _Counting(TorchDispatchMode):
                 self.counts[H2D] += 1
             elif not (func.is_view or func in _ALLOCATIONS):
                 self.counts[LAUNCHES] += 1
+                self.launched_ops[func._schema.name] += 1
         else:
             self.replayed_ops[func._schema.name] += 1  # without the overload (.out)
         return func(*args, **kwargs)

@@ -86,7 +86,8 @@ def kernel(name: str, fn):
     piece's."""
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        if not getattr(_local, "depth", 0) and os.environ.get(CALL_LOG_ENV):
+        # Only once the Python surface logs (else an eager call would pass for a graph's).
+        if _installed and not getattr(_local, "depth", 0) and os.environ.get(CALL_LOG_ENV):
             _log(name, args, kwargs, where="graph")
         return fn(*args, **kwargs)
 
