@@ -197,7 +197,8 @@ MUTATIONS = [
              "the merged q|k rotation hands k's heads out shifted by one",
              "vllm_ascend/compilation/passes.py",
              "                rotated, (slice(None), slice(None), slice(q_size // head, None)))),))",
-             "                rotated, (slice(None), slice(None), slice(q_size // head - 1, -1)))),))",
+             "                rotated, (slice(None), slice(None), "
+             "slice(q_size // head - 1, -1)))),))",
              ("tests/e2e/test_fusion_passes.py",)),
 ]
 

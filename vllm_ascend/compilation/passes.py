@@ -218,8 +218,8 @@ def _erase_chain(graph: fx.Graph, node: fx.Node) -> None:
 
 
 class AscendPassManager:
-    """vLLM's pass-manager protocol (configure, add, call) over the passes above; logs what each
-    fused, once per compiled model."""
+    """vLLM's pass-manager protocol (configure, add, call) over the passes above, counting what
+    each one fused."""
 
     def __init__(self):
         self.passes: list = []
@@ -247,6 +247,3 @@ class AscendPassManager:
             module.graph.lint()
             module.recompile()
         return module
-
-    def summary(self) -> str:
-        return ", ".join(f"{name}: {n}" for name, n in self.counts.items())

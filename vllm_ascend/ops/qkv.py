@@ -81,7 +81,8 @@ def split_qkv_norm_rope(qkv, q_size, kv_size, head_size, rope: StepRope, q_norm=
     nq = q_size // head_size
     if q_norm is None:
         # q and k are adjacent in qkv: rotate both in one call.
-        qk = rotate_heads(qkv[:, : q_size + kv_size].view(1, t, -1, head_size), cos, sin, mode)[0]
+        qk = rotate_heads(qkv[:, : q_size + kv_size].view(1, t, -1, head_size), cos, sin,
+                          mode)[0]
         q, k = qk[:, :nq].contiguous(), qk[:, nq:].contiguous()
     else:
         q = torch_npu.npu_rms_norm(qkv[:, :q_size].view(t, -1, head_size), q_norm.weight,

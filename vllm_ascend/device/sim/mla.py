@@ -125,7 +125,8 @@ def _kv_rmsnorm_rope_cache_impl(kv, gamma, cos, sin, index, k_cache, ckv_cache, 
     return pe.view(b, 1, s, ROPE_DIM), c.view(b, 1, s, RMS_DIM)
 
 
-_lib.impl("npu_kv_rmsnorm_rope_cache", kernel("npu_kv_rmsnorm_rope_cache", _kv_rmsnorm_rope_cache_impl), "CPU")
+_lib.impl("npu_kv_rmsnorm_rope_cache",
+          kernel("npu_kv_rmsnorm_rope_cache", _kv_rmsnorm_rope_cache_impl), "CPU")
 
 
 # -- npu_transpose_batchmatmul --------------------------------------------------------------------
@@ -154,7 +155,8 @@ def _transpose_batchmatmul_impl(input, weight, *, perm_x1=None, perm_y=None):
     return torch.bmm(x.float(), weight.float()).to(input.dtype).permute(perm_y).contiguous()
 
 
-_lib.impl("npu_transpose_batchmatmul", kernel("npu_transpose_batchmatmul", _transpose_batchmatmul_impl), "CPU")
+_lib.impl("npu_transpose_batchmatmul",
+          kernel("npu_transpose_batchmatmul", _transpose_batchmatmul_impl), "CPU")
 
 
 # -- FIA v2 on the latent cache (MLA decode) ------------------------------------------------------
@@ -364,5 +366,7 @@ def _fia_v2_out_impl(query, key, value, *, query_rope=None, key_rope=None, atten
     return attention_out, softmax_lse
 
 
-_lib.impl("npu_fused_infer_attention_score_v2", kernel("npu_fused_infer_attention_score_v2", _sampling(_fia_v2_impl)), "CPU")
-_lib.impl("npu_fused_infer_attention_score_v2.out", kernel("npu_fused_infer_attention_score_v2.out", _sampling(_fia_v2_out_impl)), "CPU")
+_lib.impl("npu_fused_infer_attention_score_v2",
+          kernel("npu_fused_infer_attention_score_v2", _sampling(_fia_v2_impl)), "CPU")
+_lib.impl("npu_fused_infer_attention_score_v2.out",
+          kernel("npu_fused_infer_attention_score_v2.out", _sampling(_fia_v2_out_impl)), "CPU")

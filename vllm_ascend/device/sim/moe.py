@@ -171,7 +171,8 @@ def _unpermute_impl(permuted_tokens, sorted_indices, probs=None, padded_mode=Fal
     return gathered.sum(1).to(permuted_tokens.dtype)
 
 
-_lib.impl("npu_moe_gating_top_k_softmax", kernel("npu_moe_gating_top_k_softmax", _gating_impl), "CPU")
+_lib.impl("npu_moe_gating_top_k_softmax",
+          kernel("npu_moe_gating_top_k_softmax", _gating_impl), "CPU")
 _lib.impl("npu_moe_init_routing_v2", kernel("npu_moe_init_routing_v2", _routing_impl), "CPU")
 _lib.impl("npu_grouped_matmul", kernel("npu_grouped_matmul", _grouped_matmul_impl), "CPU")
 _lib.impl("npu_moe_token_unpermute", kernel("npu_moe_token_unpermute", _unpermute_impl), "CPU")

@@ -506,8 +506,10 @@ def fia_workspace_elements(query, block_table, num_heads) -> int:
     return 4096 + 64 * num_heads * (query.shape[0] + batch)
 
 
-_lib.impl("npu_fused_infer_attention_score", kernel("npu_fused_infer_attention_score", _sampling(_fia_impl)), "CPU")
-_lib.impl("npu_fused_infer_attention_score.out", kernel("npu_fused_infer_attention_score.out", _sampling(_fia_out_impl)), "CPU")
+_lib.impl("npu_fused_infer_attention_score",
+          kernel("npu_fused_infer_attention_score", _sampling(_fia_impl)), "CPU")
+_lib.impl("npu_fused_infer_attention_score.out",
+          kernel("npu_fused_infer_attention_score.out", _sampling(_fia_out_impl)), "CPU")
 
 
 # -- writing K/V into the paged caches -----------------------------------------------------------
