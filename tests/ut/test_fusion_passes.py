@@ -12,8 +12,7 @@ T, Q, KV, HEAD = 5, 128, 64, 32
 
 
 def traced(fn, *inputs):
-    """fn's Dynamo graph (as vLLM's compiled pieces get it), the API names it calls, and its
-    output, before and after ``pass_``."""
+    """fn's Dynamo graph, as vLLM's compiled pieces get it."""
     graphs = []
 
     def backend(gm, example_inputs):
@@ -32,6 +31,7 @@ def apis(gm) -> list[str]:
 
 
 def run_pass(pass_, fn, *inputs):
+    """(what ``pass_`` fused, the API names left, fn's output before the pass, after it)."""
     gm = traced(fn, *inputs)
     expected = gm(*inputs)
     fused = pass_(gm.graph)
