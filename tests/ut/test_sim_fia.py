@@ -12,10 +12,11 @@ MASK = torch.triu(torch.ones(2048, 2048), diagonal=1).to(torch.int8)
 BF16 = torch.bfloat16
 
 
-def reference(q, k_per_req, v_per_req, q_lens, scale, window=None):
+def reference(q, k_per_req, v_per_req, q_lens, scale, window=None, sinks=None):
     """Causal attention per request in fp32, the query being the last q_len of its tokens;
     with ``window``, each query attends its last ``window`` keys, its own included (vLLM's and
-    HF's sliding window)."""
+    HF's sliding window); with ``sinks``, one more logit per head in each row's softmax, its
+    column dropped after (HF's GPT-OSS eager attention)."""
     outs, start = [], 0
     n = q.shape[1]
     for k, v, ql in zip(k_per_req, v_per_req, q_lens):
@@ -30,7 +31,12 @@ def reference(q, k_per_req, v_per_req, q_lens, scale, window=None):
         if window is not None:
             allowed &= torch.arange(kl)[None, :] > pos - window
         scores = scores.masked_fill(~allowed, float("-inf"))
-        outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
+        if sinks is None:
+            probs = scores.softmax(-1)
+        else:
+            column = sinks.float().view(n, 1, 1).expand(n, ql, 1)
+            probs = torch.cat([scores, column], -1).softmax(-1)[..., :-1]
+        outs.append(torch.einsum("hqk,khd->qhd", probs, v))
     return torch.cat(outs)
 
 
@@ -326,3 +332,60 @@ def test_unsupported_keywords_are_refused_not_ignored():
         case.run(pse_shift=torch.zeros(1))
     with pytest.raises(TypeError, match="unexpected keyword argument 'actual_seq_qlen'"):
         case.run(actual_seq_qlen=[1])
+
+
+def v2_kwargs(case, sinks, **overrides):
+    """The dense FIA v2 call upstream's attention_v1.py makes for a layer with sinks."""
+    args = case.kwargs()
+    for v1, v2 in (("actual_seq_lengths", "actual_seq_qlen"),
+                   ("actual_seq_lengths_kv", "actual_seq_kvlen"), ("num_heads", "num_query_heads"),
+                   ("scale", "softmax_scale")):
+        args[v2] = args.pop(v1)
+    args.update(learnable_sink=sinks, **overrides)
+    return args
+
+
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("q_lens,kv_lens", [
+    ([5, 7, 1, 1], [5, 40, 33, 16]),  # prefill, chunked prefill, decodes
+    ([1, 1, 1], [33, 16, 1]),  # decodes only
+], ids=["mixed", "decode"])
+def test_v2_with_learnable_sinks_matches_reference(q_lens, kv_lens, window):
+    """GPT-OSS's attention sinks on FIA v2's dense TND path, causal and banded: against HF's
+    sink reading, and measurably not the attention without them."""
+    case = Case(q_lens, kv_lens)
+    sinks = torch.linspace(-1.0, 2.0, case.q.shape[1]).to(BF16)
+    band = {} if window is None else dict(sparse_mode=4, pre_tokens=window - 1, next_tokens=0)
+    out, _ = torch_npu.npu_fused_infer_attention_score_v2(**v2_kwargs(case, sinks, **band))
+    k, v = case.per_request(case.k4), case.per_request(case.v4)
+    torch.testing.assert_close(out.float(), reference(case.q, k, v, q_lens, 0.125, window, sinks),
+                               atol=2e-2, rtol=2e-2)
+    without = reference(case.q, k, v, q_lens, 0.125, window)
+    assert (out.float() - without).abs().max() > 0.1
+    # The .out overload with a max workspace: the same bits.
+    kwargs = v2_kwargs(case, sinks, **band)
+    workspace = torch_npu._npu_fused_infer_attention_score_v2_get_max_workspace(**kwargs)
+    o = torch.empty_like(case.q)
+    torch_npu.npu_fused_infer_attention_score_v2.out(
+        **kwargs, workspace=workspace, out=[o, torch.empty(1, dtype=BF16)])
+    assert torch.equal(o, out)
+
+
+def test_v2_sinks_checks():
+    """learnable_sink: bfloat16 (Nq,) with a bfloat16 query, a value head dim of at most 128
+    (TORCH_NPU_CONTRACTS.md 1.6); v2's dense path makes v1's checks under v2's name."""
+    case = Case([2, 1], [4, 9])
+    sinks = torch.zeros(8, dtype=BF16)
+    with pytest.raises(AscendOpError, match="learnable_sink takes bfloat16"):
+        torch_npu.npu_fused_infer_attention_score_v2(**v2_kwargs(case, sinks.float()))
+    fp16 = Case([2, 1], [4, 9], dtype=torch.float16)
+    with pytest.raises(AscendOpError, match="learnable_sink takes bfloat16"):
+        torch_npu.npu_fused_infer_attention_score_v2(**v2_kwargs(fp16, sinks))
+    with pytest.raises(AscendOpError, match="1-D of numHeads"):
+        torch_npu.npu_fused_infer_attention_score_v2(**v2_kwargs(case, sinks[:4]))
+    wide = Case([1], [4], n_heads=2, n_kv=1, d=144)
+    with pytest.raises(AscendOpError, match="value head dim of at most 128"):
+        torch_npu.npu_fused_infer_attention_score_v2(**v2_kwargs(wide, sinks[:2]))
+    with pytest.raises(AscendOpError, match="(?s)npu_fused_infer_attention_score_v2.*queryT"):
+        torch_npu.npu_fused_infer_attention_score_v2(**v2_kwargs(case, sinks,
+                                                                 actual_seq_qlen=[2, 4]))

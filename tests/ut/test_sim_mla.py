@@ -193,7 +193,9 @@ def test_fia_v2_verifies_several_tokens_per_request_causally_in_tnd():
     (dict(num_key_value_heads=4), r"numKeyValueHeads\(4\) must be 1"),
     (dict(actual_seq_kvlen=[5, 33]), r"size\(2\) of actualSeqLengthsKv is not equal to the "
      r"batchSize\(3\)"),
-    (dict(query_rope=None), "only the MLA path"),
+    (dict(query_rope=None), "query_rope and key_rope are given together"),
+    (dict(learnable_sink=torch.zeros(4, dtype=torch.bfloat16)), "not simulated on the MLA path"),
+    (dict(pre_tokens=5, next_tokens=0), "not simulated on the MLA path"),
     (dict(sparse_mode=3), "sparse_mode 0"),
     (dict(actual_seq_kvlen=[5, 33, 64]), r"block table shape should be \[3, >=4\]"),
 ])

@@ -138,6 +138,23 @@ def test_the_chips_checks():
                                           padded_mode=True)
 
 
+def test_a_bias_per_expert_in_the_dtype_of_torch_npus_table():
+    """GPT-OSS's expert biases: group e's rows get bias[e]; the bias is float32 with bfloat16
+    x (float16 with float16), as torch_npu's table of npu_grouped_matmul has it."""
+    x, _ = inputs()
+    w13, _ = weights()
+    bias = torch.randn(EXPERTS, 2 * INTER)
+    counts = torch.tensor([2, 1, 0, 3])
+    out = torch_npu.npu_grouped_matmul([x], [w13], bias=[bias], split_item=2, group_type=0,
+                                       group_list=counts, group_list_type=1)[0]
+    rows = torch.repeat_interleave(torch.arange(EXPERTS), counts)
+    ref = torch.einsum("mk,mkn->mn", x.float(), w13[rows].float()) + bias[rows]
+    torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=1e-2)
+    with pytest.raises(AscendOpError, match="bias must be torch.float32 with torch.bfloat16 x"):
+        torch_npu.npu_grouped_matmul([x], [w13], bias=[bias.bfloat16()], split_item=2,
+                                     group_type=0, group_list=counts, group_list_type=1)
+
+
 def test_rows_past_the_routed_tokens_are_poison():
     x, _ = inputs()
     w13, _ = weights()

@@ -103,16 +103,16 @@ def npu_scatter_pa_kv_cache(key, value, key_cache, value_cache, slot_mapping, *,
                                                  slot_mapping, cache_mode=cache_mode)
 
 
-# FIA v2: the MLA decode path only (device/sim/mla.py); the keywords it leaves at defaults.
+# FIA v2: the MLA decode path and the dense one with sinks (device/sim/mla.py); the keywords
+# both leave at defaults.
 npu_fused_infer_attention_score_v2 = _FusedInferAttention(
     "npu_fused_infer_attention_score_v2", torch.ops.ascend_sim.npu_fused_infer_attention_score_v2,
     not_simulated={
         **dict.fromkeys((
             "pse_shift", "dequant_scale_query", "dequant_scale_key", "dequant_scale_value",
-            "quant_scale_out", "quant_offset_out", "learnable_sink", "key_shared_prefix",
+            "quant_scale_out", "quant_offset_out", "key_shared_prefix",
             "value_shared_prefix", "actual_shared_prefix_len", "query_padding_size",
             "kv_padding_size")),
-        **dict.fromkeys(("pre_tokens", "next_tokens"), INT32_MAX),
         **dict.fromkeys(("inner_precise", "query_quant_mode", "key_quant_mode",
                          "value_quant_mode"), 0)},
     host_lists=("actual_seq_qlen", "actual_seq_kvlen"))
@@ -126,7 +126,8 @@ def _npu_fused_infer_attention_score_v2_get_max_workspace(query, key, value, **k
                       kw.get("actual_seq_kvlen"), kw.get("block_table"),
                       kw.get("num_query_heads", 1), kw.get("num_key_value_heads", 0),
                       kw.get("input_layout", "BSH"), kw.get("sparse_mode", 0),
-                      kw.get("block_size", 0))
+                      kw.get("block_size", 0), kw.get("learnable_sink"),
+                      kw.get("pre_tokens", INT32_MAX), kw.get("next_tokens", INT32_MAX))
     size = _mla.fia_v2_workspace_elements(query, kw["block_table"], kw.get("num_query_heads", 1))
     return torch.empty(size, dtype=query.dtype, device=query.device)
 

@@ -9,8 +9,9 @@ import torch
 from torch.library import Library
 
 from vllm_ascend.device.sim.ops import (ATTEN_MASK_SIZE, CAPTURING, FIA_DTYPES, FIA_MAX_BATCH,
-                                        PARAM_INVALID, TILING_ERROR, AscendOpError,
-                                        _check_causal_mask, _require_contiguous, _sampling)
+                                        INT32_MAX, PARAM_INVALID, TILING_ERROR, AscendOpError,
+                                        _check_causal_mask, _require_contiguous, _sampling,
+                                        band_of, check_fia, fia_attend)
 from vllm_ascend.device.sim.trace import kernel
 
 _lib = Library("ascend_sim", "FRAGMENT")
@@ -159,14 +160,16 @@ _lib.impl("npu_transpose_batchmatmul",
           kernel("npu_transpose_batchmatmul", _transpose_batchmatmul_impl), "CPU")
 
 
-# -- FIA v2 on the latent cache (MLA decode) ------------------------------------------------------
+# -- FIA v2: on the latent cache (MLA decode), and dense with attention sinks ---------------------
 
 _FIA_V2_ARGS = (
     "Tensor query, Tensor key, Tensor value, *, Tensor? query_rope=None, "
     "Tensor? key_rope=None, Tensor? atten_mask=None, SymInt[]? actual_seq_qlen=None, "
     "SymInt[]? actual_seq_kvlen=None, Tensor? block_table=None, int num_query_heads=1, "
     "int num_key_value_heads=0, float softmax_scale=1.0, str input_layout=\"BSH\", "
-    "int sparse_mode=0, int block_size=0, bool return_softmax_lse=False")
+    "int sparse_mode=0, int block_size=0, bool return_softmax_lse=False, "
+    "Tensor? learnable_sink=None, int pre_tokens=2147483647, int next_tokens=2147483647")
+SINK_MAX_DV = 128  # learnable_sink: value head dim at most 128 (TORCH_NPU_CONTRACTS.md 1.6)
 _lib.define(f"npu_fused_infer_attention_score_v2({_FIA_V2_ARGS}) -> (Tensor, Tensor)")
 _lib.define(f"npu_fused_infer_attention_score_v2.out({_FIA_V2_ARGS}, Tensor? workspace=None, "
             "Tensor(a!) attention_out, Tensor(b!) softmax_lse) -> (Tensor(a!), Tensor(b!))")
@@ -180,12 +183,21 @@ def fia_v2_error(code, message):
 
 def check_fia_v2(query, key, value, query_rope, key_rope, atten_mask, actual_seq_qlen,
                  actual_seq_kvlen, block_table, num_query_heads, num_key_value_heads,
-                 input_layout, sparse_mode, block_size):
-    """The host-side checks of the MLA decode path: returns (q_lens, kv_lens, out_shape)."""
+                 input_layout, sparse_mode, block_size, learnable_sink=None,
+                 pre_tokens=INT32_MAX, next_tokens=INT32_MAX):
+    """The host-side checks of FIA v2: returns (q_lens, kv_lens, out_shape). Two paths are
+    simulated, as upstream calls them: the MLA decode (query_rope and key_rope given) and the
+    dense TND one with attention sinks (neither given)."""
     err = fia_v2_error
+    if query_rope is None and key_rope is None:
+        return _check_dense_v2(query, key, value, atten_mask, actual_seq_qlen, actual_seq_kvlen,
+                               block_table, num_query_heads, num_key_value_heads, input_layout,
+                               sparse_mode, block_size, learnable_sink, pre_tokens, next_tokens)
     if query_rope is None or key_rope is None:
-        raise err(TILING_ERROR, "only the MLA path (query_rope and key_rope given) of FIA v2 is "
-                  "simulated; vllm-ascend's dense attention calls FIA v1")
+        raise err(TILING_ERROR, "query_rope and key_rope are given together (MLA) or not at all")
+    if learnable_sink is not None or pre_tokens != INT32_MAX or next_tokens != INT32_MAX:
+        raise err(TILING_ERROR, "learnable_sink and a band (pre_tokens/next_tokens) are not "
+                  "simulated on the MLA path (query_rope given)")
     if input_layout not in V2_LAYOUTS:
         raise err(TILING_ERROR, f"input_layout {input_layout!r} is not simulated (MLA decode "
                   f"uses {' or '.join(V2_LAYOUTS)})")
@@ -275,6 +287,33 @@ def check_fia_v2(query, key, value, query_rope, key_rope, atten_mask, actual_seq
     return q_lens, kv, out_shape
 
 
+def _check_dense_v2(query, key, value, atten_mask, actual_seq_qlen, actual_seq_kvlen,
+                    block_table, num_query_heads, num_key_value_heads, input_layout,
+                    sparse_mode, block_size, learnable_sink, pre_tokens, next_tokens):
+    """FIA v2 without query_rope: v1's checks under v2's names (upstream's attention_v1.py calls
+    it so only for layers with sinks), then the sink's: bfloat16 (Nq,), TND only, a value head
+    dim of at most 128 (TORCH_NPU_CONTRACTS.md 1.6). With a float16 query the sink is refused
+    too: the contract names bfloat16 only (the stricter reading)."""
+    err = fia_v2_error
+    q_lens, kv_lens, d = check_fia(query, key, value, atten_mask, actual_seq_qlen,
+                                   actual_seq_kvlen, block_table, num_query_heads,
+                                   num_key_value_heads, input_layout, sparse_mode, block_size,
+                                   pre_tokens, next_tokens, err=err)
+    dv = value.shape[-1] if block_table is None else d
+    if learnable_sink is not None:
+        if learnable_sink.dtype != torch.bfloat16 or query.dtype != torch.bfloat16:
+            raise err(PARAM_INVALID, "learnable_sink takes bfloat16, with a bfloat16 query; got "
+                      f"{learnable_sink.dtype} and {query.dtype}")
+        if learnable_sink.dim() != 1 or learnable_sink.shape[0] != num_query_heads:
+            raise err(PARAM_INVALID, f"learnable_sink must be 1-D of numHeads({num_query_heads}) "
+                      f"elements, got {list(learnable_sink.shape)}")
+        if dv > SINK_MAX_DV:
+            raise err(TILING_ERROR, f"learnable_sink takes a value head dim of at most "
+                      f"{SINK_MAX_DV}, got {dv}")
+        _require_contiguous(err, learnable_sink=learnable_sink)
+    return q_lens, kv_lens, (query.shape[0], query.shape[1], dv)
+
+
 def fia_v2_kernel(query, key, query_rope, key_rope, block_table, q_lens, kv_lens, scale,
                   block_size, out):
     """Each query token over its request's latent KV (causal: token i of q sits at position
@@ -312,11 +351,12 @@ def fia_v2_kernel(query, key, query_rope, key_rope, block_table, q_lens, kv_lens
 
 def _fia_v2_run(query, key, value, query_rope, key_rope, atten_mask, actual_seq_qlen,
                 actual_seq_kvlen, block_table, num_query_heads, num_key_value_heads,
-                softmax_scale, input_layout, sparse_mode, block_size, out):
+                softmax_scale, input_layout, sparse_mode, block_size, out, learnable_sink,
+                pre_tokens, next_tokens):
     q_lens, kv_lens, out_shape = check_fia_v2(
         query, key, value, query_rope, key_rope, atten_mask, actual_seq_qlen, actual_seq_kvlen,
         block_table, num_query_heads, num_key_value_heads, input_layout, sparse_mode,
-        block_size)
+        block_size, learnable_sink, pre_tokens, next_tokens)
     if out is None:
         out = query.new_zeros(out_shape)
     elif tuple(out.shape) != out_shape or out.dtype != query.dtype or not out.is_contiguous():
@@ -324,6 +364,13 @@ def _fia_v2_run(query, key, value, query_rope, key_rope, atten_mask, actual_seq_
                            f"{query.dtype} tensor, got {list(out.shape)} {out.dtype}")
     if CAPTURING.active:  # checked, not run (ops.CAPTURING)
         return CAPTURING.unwritten(out)
+    if query_rope is None:
+        fia_attend(query, key, value, block_table, actual_seq_qlen, actual_seq_kvlen, q_lens,
+                   kv_lens, num_query_heads, num_key_value_heads or num_query_heads,
+                   query.shape[-1], softmax_scale, sparse_mode,
+                   band_of(sparse_mode, pre_tokens, next_tokens), block_size, out,
+                   learnable_sink)
+        return out
     fia_v2_kernel(query, key, query_rope, key_rope, block_table, q_lens, kv_lens,
                   softmax_scale, block_size, out)
     return out
@@ -337,12 +384,14 @@ def fia_v2_workspace_elements(query, block_table, num_heads) -> int:
 def _fia_v2_impl(query, key, value, *, query_rope=None, key_rope=None, atten_mask=None,
                  actual_seq_qlen=None, actual_seq_kvlen=None, block_table=None,
                  num_query_heads=1, num_key_value_heads=0, softmax_scale=1.0,
-                 input_layout="BSH", sparse_mode=0, block_size=0, return_softmax_lse=False):
+                 input_layout="BSH", sparse_mode=0, block_size=0, return_softmax_lse=False,
+                 learnable_sink=None, pre_tokens=INT32_MAX, next_tokens=INT32_MAX):
     if return_softmax_lse:
         raise fia_v2_error(TILING_ERROR, "return_softmax_lse=True is not simulated")
     out = _fia_v2_run(query, key, value, query_rope, key_rope, atten_mask, actual_seq_qlen,
                       actual_seq_kvlen, block_table, num_query_heads, num_key_value_heads,
-                      softmax_scale, input_layout, sparse_mode, block_size, None)
+                      softmax_scale, input_layout, sparse_mode, block_size, None,
+                      learnable_sink, pre_tokens, next_tokens)
     return out, torch.empty(0, dtype=torch.float32, device=query.device)
 
 
@@ -350,6 +399,7 @@ def _fia_v2_out_impl(query, key, value, *, query_rope=None, key_rope=None, atten
                      actual_seq_qlen=None, actual_seq_kvlen=None, block_table=None,
                      num_query_heads=1, num_key_value_heads=0, softmax_scale=1.0,
                      input_layout="BSH", sparse_mode=0, block_size=0, return_softmax_lse=False,
+                     learnable_sink=None, pre_tokens=INT32_MAX, next_tokens=INT32_MAX,
                      workspace=None, attention_out, softmax_lse):
     if return_softmax_lse:
         raise fia_v2_error(TILING_ERROR, "return_softmax_lse=True is not simulated")
@@ -362,7 +412,8 @@ def _fia_v2_out_impl(query, key, value, *, query_rope=None, key_rope=None, atten
                            f"({need} elements of {query.dtype}), got {got}")
     _fia_v2_run(query, key, value, query_rope, key_rope, atten_mask, actual_seq_qlen,
                 actual_seq_kvlen, block_table, num_query_heads, num_key_value_heads,
-                softmax_scale, input_layout, sparse_mode, block_size, attention_out)
+                softmax_scale, input_layout, sparse_mode, block_size, attention_out,
+                learnable_sink, pre_tokens, next_tokens)
     return attention_out, softmax_lse
 
 

@@ -135,6 +135,10 @@ def _grouped_matmul_impl(x, weight, *, bias=None, group_list=None, split_item=0,
         (b,) = bias
         if tuple(b.shape) != (w.shape[0], w.shape[2]):
             raise error(PARAM_INVALID, f"bias must be (E, N) = {(w.shape[0], w.shape[2])}")
+        # torch_npu's table (unquantized): float16 bias with float16 x, float32 with bfloat16.
+        want = torch.float32 if h.dtype == torch.bfloat16 else torch.float16
+        if b.dtype != want:
+            raise error(PARAM_INVALID, f"bias must be {want} with {h.dtype} x, got {b.dtype}")
     out = torch.full((h.shape[0], w.shape[2]), float("nan"), dtype=h.dtype)
     start = 0
     for e, n in enumerate(sizes):

@@ -108,152 +108,153 @@ _lib.define(f"npu_fused_infer_attention_score.out({_FIA_ARGS}, Tensor? workspace
 
 def check_fia(query, key, value, atten_mask, actual_seq_lengths, actual_seq_lengths_kv,
               block_table, num_heads, num_key_value_heads, input_layout, sparse_mode,
-              block_size, pre_tokens, next_tokens):
-    """The host-side checks of FIA in the TND layout; returns (q_lens, kv_lens, head_dim)."""
+              block_size, pre_tokens, next_tokens, err=_fia_error):
+    """The host-side checks of FIA in the TND layout; returns (q_lens, kv_lens, head_dim).
+    ``err`` words the errors (v1's by default; FIA v2's dense path makes the same checks)."""
     if input_layout != "TND":
-        raise _fia_error(TILING_ERROR, f"input_layout {input_layout!r} is not simulated "
-                         "(vllm-ascend uses TND)")
+        raise err(TILING_ERROR, f"input_layout {input_layout!r} is not simulated "
+                  "(vllm-ascend uses TND)")
     if query.dim() != 3:  # F1
         raise RuntimeError("query's dim should be consistent with that of Layout")
     if not (query.dtype == key.dtype == value.dtype) or query.dtype not in FIA_DTYPES:  # F8
-        raise _fia_error(PARAM_INVALID, "Input dtype of Q, K, and V must be consitent, and "
-                         f"float16 or bfloat16 (got {query.dtype}, {key.dtype}, {value.dtype})")
-    _require_contiguous(_fia_error, query=query, key=key, value=value, atten_mask=atten_mask,
+        raise err(PARAM_INVALID, "Input dtype of Q, K, and V must be consitent, and "
+                  f"float16 or bfloat16 (got {query.dtype}, {key.dtype}, {value.dtype})")
+    _require_contiguous(err, query=query, key=key, value=value, atten_mask=atten_mask,
                         block_table=block_table)
     t, n, d = query.shape
     nkv = num_key_value_heads or num_heads
     if n != num_heads:
-        raise _fia_error(TILING_ERROR, f"query's head number({n}) must be equal to "
-                         f"numHeads({num_heads})")
+        raise err(TILING_ERROR, f"query's head number({n}) must be equal to "
+                  f"numHeads({num_heads})")
     # F10
     if num_heads > 256 or nkv > 256 or num_heads % nkv != 0 or num_heads // nkv > 64:
-        raise _fia_error(TILING_ERROR, f"numHeads({num_heads}) and numKeyValueHeads({nkv}) are "
-                         "invalid: each at most 256, numHeads a multiple of numKeyValueHeads, "
-                         "ratio at most 64")
+        raise err(TILING_ERROR, f"numHeads({num_heads}) and numKeyValueHeads({nkv}) are "
+                  "invalid: each at most 256, numHeads a multiple of numKeyValueHeads, "
+                  "ratio at most 64")
     # F8, F9: TND head dim at most 256 and 16-element aligned for fp16/bf16.
     if d > 256:
-        raise _fia_error(TILING_ERROR, "When input layout is TND, headDim shall not exceed 256")
+        raise err(TILING_ERROR, "When input layout is TND, headDim shall not exceed 256")
     if d % 16 != 0:
-        raise _fia_error(TILING_ERROR, f"D should be 16 elements aligned, but got D={d}")
+        raise err(TILING_ERROR, f"D should be 16 elements aligned, but got D={d}")
     # F2
     for name, lst in (("actualSequenceLengthQ", actual_seq_lengths),
                       ("actualSequenceLengthKV", actual_seq_lengths_kv)):
         if not lst:
-            raise _fia_error(TILING_ERROR, f"When layout is TND, {name} is required and must "
-                             "not be empty")
+            raise err(TILING_ERROR, f"When layout is TND, {name} is required and must "
+                      "not be empty")
         if len(lst) > FIA_MAX_BATCH:
-            raise _fia_error(TILING_ERROR, f"{name} has {len(lst)} elements, at most "
-                             f"{FIA_MAX_BATCH} are supported")
+            raise err(TILING_ERROR, f"{name} has {len(lst)} elements, at most "
+                      f"{FIA_MAX_BATCH} are supported")
     cu_q = list(actual_seq_lengths)
     prev = 0
     for i, v in enumerate(cu_q):
         if v < prev:
-            raise _fia_error(TILING_ERROR, "When layout is TND, actualSequenceLengthQ must be "
-                             f"non-decreasing and non-negative, but element {i} is {v} after {prev}")
+            raise err(TILING_ERROR, "When layout is TND, actualSequenceLengthQ must be "
+                      f"non-decreasing and non-negative, but element {i} is {v} after {prev}")
         prev = v
     if t != cu_q[-1]:  # F3
-        raise _fia_error(TILING_ERROR, f"When layout is TND, queryT({t}) must be equal to the "
-                         f"last element of actualSequenceLengthQ({cu_q[-1]})")
+        raise err(TILING_ERROR, f"When layout is TND, queryT({t}) must be equal to the "
+                  f"last element of actualSequenceLengthQ({cu_q[-1]})")
     batch = len(cu_q)
     q_lens = [b - a for a, b in zip([0] + cu_q[:-1], cu_q)]
     # F11-F13
     if sparse_mode in (5, 6, 7, 8) or sparse_mode not in (0, 1, 2, 3, 4):
-        raise _fia_error(TILING_ERROR, f"sparse_mode {sparse_mode} is not supported")
+        raise err(TILING_ERROR, f"sparse_mode {sparse_mode} is not supported")
     if sparse_mode not in (0, 3, 4):
         # Modes 1 and 2 exist on the chip; vllm-ascend's decoder path uses 3 (causal) and 4
         # (a sliding window).
-        raise _fia_error(TILING_ERROR, f"sparse_mode {sparse_mode} is not simulated (use 3 "
-                         "with the causal mask, 4 for a band, or 0 without a mask)")
+        raise err(TILING_ERROR, f"sparse_mode {sparse_mode} is not simulated (use 3 "
+                  "with the causal mask, 4 for a band, or 0 without a mask)")
     if atten_mask is not None and sparse_mode not in (3, 4):
-        raise _fia_error(TILING_ERROR, "When attnMask is provided, sparseMode must be 3 or 4")
+        raise err(TILING_ERROR, "When attnMask is provided, sparseMode must be 3 or 4")
     if sparse_mode in (3, 4):
         # Mode 4 takes the same compressed mask as 3 (the CANN FIA doc: "band" mode, the
         # optimised 2048x2048 lower-triangular mask; upstream passes its causal mask to both).
         if atten_mask is None:
-            raise _fia_error(TILING_ERROR, f"sparseMode {sparse_mode} needs the 2048x2048 "
-                             "attnMask")
+            raise err(TILING_ERROR, f"sparseMode {sparse_mode} needs the 2048x2048 "
+                      "attnMask")
         if atten_mask.dtype not in MASK_DTYPES:
-            raise _fia_error(PARAM_INVALID, f"attnMask dtype must be bool, int8 or uint8, got "
-                             f"{atten_mask.dtype}")
+            raise err(PARAM_INVALID, f"attnMask dtype must be bool, int8 or uint8, got "
+                      f"{atten_mask.dtype}")
         if atten_mask.dim() not in (2, 3, 4) or any(s != 1 for s in atten_mask.shape[:-2]):
-            raise _fia_error(TILING_ERROR, "attnMask must be 2/3/4-D with leading dims of 1")
+            raise err(TILING_ERROR, "attnMask must be 2/3/4-D with leading dims of 1")
         for dim in atten_mask.shape[-2:]:
             if dim != ATTEN_MASK_SIZE:
-                raise _fia_error(TILING_ERROR, f"When sparseMode is {sparse_mode}, maskDim "
-                                 f"{dim} shall be {ATTEN_MASK_SIZE}")
+                raise err(TILING_ERROR, f"When sparseMode is {sparse_mode}, maskDim "
+                          f"{dim} shall be {ATTEN_MASK_SIZE}")
         _check_causal_mask(atten_mask, sparse_mode)
     if sparse_mode == 4:
         # The band: preTokens + nextTokens >= 0 (CANN FIA doc, sparse_mode 4), so that every
         # query row keeps at least the key on its diagonal (see band_of).
         if pre_tokens + next_tokens < 0:
-            raise _fia_error(TILING_ERROR, f"When sparseMode is 4, preTokens({pre_tokens}) + "
-                             f"nextTokens({next_tokens}) must be >= 0")
+            raise err(TILING_ERROR, f"When sparseMode is 4, preTokens({pre_tokens}) + "
+                      f"nextTokens({next_tokens}) must be >= 0")
     elif pre_tokens != INT32_MAX or next_tokens != INT32_MAX:
         # The chip ignores them outside mode 4 (the CANN doc: "该场景下忽略pre_tockens、
         # next_tockens取值"), so a band asked for there is silently not applied: refused here.
-        raise _fia_error(TILING_ERROR, f"pre_tokens/next_tokens ({pre_tokens}, {next_tokens}) "
-                         f"are ignored in sparse_mode {sparse_mode}: a band takes sparse_mode 4")
+        raise err(TILING_ERROR, f"pre_tokens/next_tokens ({pre_tokens}, {next_tokens}) "
+                  f"are ignored in sparse_mode {sparse_mode}: a band takes sparse_mode 4")
     if sparse_mode == 0 and any(q > 1 for q in q_lens):
         # Without a mask every query token sees every key: not causal for prefill.
-        raise _fia_error(TILING_ERROR, "sparse_mode 0 (no mask) with a query length > 1 is "
-                         "not causal; use sparse_mode 3 with the causal mask")
+        raise err(TILING_ERROR, "sparse_mode 0 (no mask) with a query length > 1 is "
+                  "not causal; use sparse_mode 3 with the causal mask")
     kv = list(actual_seq_lengths_kv)
     if block_table is None:
         # F4: without paged attention KV is TND like the query, lengths cumulative.
         if key.dim() != 3 or value.dim() != 3 or key.shape[1:] != (nkv, d) or \
                 value.shape[1] != nkv:
-            raise _fia_error(TILING_ERROR, f"When layout is TND, key/value must be [T, "
-                             f"{nkv}, {d}], got {list(key.shape)} and {list(value.shape)}")
+            raise err(TILING_ERROR, f"When layout is TND, key/value must be [T, "
+                      f"{nkv}, {d}], got {list(key.shape)} and {list(value.shape)}")
         dv = value.shape[2]
         if dv != d and not (d == 192 and dv == 128):  # F15: MLA's prefill, 192/128 only
-            raise _fia_error(TILING_ERROR, f"When layout is TND, queryD({d}) or keyD({d}) must "
-                             f"be 192, valueD({dv}) must be 192/128!")
+            raise err(TILING_ERROR, f"When layout is TND, queryD({d}) or keyD({d}) must "
+                      f"be 192, valueD({dv}) must be 192/128!")
         if dv != d and query.dtype != torch.bfloat16:
             # Upstream casts MLA's prefill to bfloat16: "FIA with TND layout only supports
             # bfloat16" (mla_v1.py _forward_prefill); the stricter reading.
-            raise _fia_error(PARAM_INVALID, f"TND with queryD {d} and valueD {dv} takes "
-                             f"bfloat16 only, got {query.dtype}")
+            raise err(PARAM_INVALID, f"TND with queryD {d} and valueD {dv} takes "
+                      f"bfloat16 only, got {query.dtype}")
         if not (key.shape[0] == value.shape[0] == kv[-1]):
-            raise _fia_error(TILING_ERROR, "When layout is TND and PA not enabled, "
-                             f"keyT({key.shape[0]}) and valueT({value.shape[0]}) must be equal "
-                             f"to the last element of actualSeqenceLengthKV({kv[-1]})")
+            raise err(TILING_ERROR, "When layout is TND and PA not enabled, "
+                      f"keyT({key.shape[0]}) and valueT({value.shape[0]}) must be equal "
+                      f"to the last element of actualSeqenceLengthKV({kv[-1]})")
         if len(kv) != batch:
-            raise _fia_error(TILING_ERROR, f"The size({len(kv)}) of actualSeqLengthsKv is not "
-                             f"equal to the batchSize({batch})")
+            raise err(TILING_ERROR, f"The size({len(kv)}) of actualSeqLengthsKv is not "
+                      f"equal to the batchSize({batch})")
         kv_lens = [b - a for a, b in zip([0] + kv[:-1], kv)]
         return q_lens, kv_lens, d
     # Paged attention (F5, F6).
     if block_table.dtype != torch.int32 or block_table.dim() != 2:
-        raise _fia_error(PARAM_INVALID, f"block_table must be a 2-D int32 tensor, got "
-                         f"{block_table.dim()}-D {block_table.dtype}")
+        raise err(PARAM_INVALID, f"block_table must be a 2-D int32 tensor, got "
+                  f"{block_table.dim()}-D {block_table.dtype}")
     if key.dim() != 3 or value.dim() != 3:
-        raise _fia_error(TILING_ERROR, "When layout is TND and page attention is enabled, the "
-                         "cache shape must be BnBsH (3-D [num_blocks, block_size, H]), got "
-                         f"{key.dim()}-D key and {value.dim()}-D value")
+        raise err(TILING_ERROR, "When layout is TND and page attention is enabled, the "
+                  "cache shape must be BnBsH (3-D [num_blocks, block_size, H]), got "
+                  f"{key.dim()}-D key and {value.dim()}-D value")
     # The tiling's message says "less than 512" and the doc says up to 1024: stricter reading.
     if block_size % 16 != 0 or not 0 < block_size < 512:
-        raise _fia_error(TILING_ERROR, f"blockSize({block_size}) must be a multiple of 16 and "
-                         "less than 512 (vllm-ascend uses 128)")
+        raise err(TILING_ERROR, f"blockSize({block_size}) must be a multiple of 16 and "
+                  "less than 512 (vllm-ascend uses 128)")
     if key.shape[1] != block_size or value.shape[1] != block_size:
-        raise _fia_error(TILING_ERROR, "the first dim of K and V must be consistent with input "
-                         f"blockSize attr: cache block size {key.shape[1]} vs blockSize "
-                         f"{block_size}")
+        raise err(TILING_ERROR, "the first dim of K and V must be consistent with input "
+                  f"blockSize attr: cache block size {key.shape[1]} vs blockSize "
+                  f"{block_size}")
     if key.shape[2] != nkv * d or value.shape[2] != nkv * d or key.shape[0] != value.shape[0]:
-        raise _fia_error(TILING_ERROR, f"key/value cache H must be numKeyValueHeads({nkv}) x "
-                         f"D({d}) = {nkv * d}, got {key.shape[2]} and {value.shape[2]}")
+        raise err(TILING_ERROR, f"key/value cache H must be numKeyValueHeads({nkv}) x "
+                  f"D({d}) = {nkv * d}, got {key.shape[2]} and {value.shape[2]}")
     if len(kv) != batch:
-        raise _fia_error(TILING_ERROR, f"The size({len(kv)}) of actualSeqLengthsKv is not equal "
-                         f"to the batchSize({batch})")
+        raise err(TILING_ERROR, f"The size({len(kv)}) of actualSeqLengthsKv is not equal "
+                  f"to the batchSize({batch})")
     need = max(-(-max(kv) // block_size), 1)
     if block_table.shape[0] != batch or block_table.shape[1] < need:
-        raise _fia_error(TILING_ERROR, "When page attention enable, block table shape should be "
-                         f"[{batch}, >={need}], now is [{block_table.shape[0]}, "
-                         f"{block_table.shape[1]}]")
+        raise err(TILING_ERROR, "When page attention enable, block table shape should be "
+                  f"[{batch}, >={need}], now is [{block_table.shape[0]}, "
+                  f"{block_table.shape[1]}]")
     for b, (q, k) in enumerate(zip(q_lens, kv)):
         if k < q or k < 0:
-            raise _fia_error(TILING_ERROR, f"actualSeqLengthsKv[{b}]({k}) is less than the "
-                             f"query length({q}): the query's tokens are the last of the "
-                             "request's KV")
+            raise err(TILING_ERROR, f"actualSeqLengthsKv[{b}]({k}) is less than the "
+                      f"query length({q}): the query's tokens are the last of the "
+                      "request's KV")
     return q_lens, kv, d
 
 
@@ -324,32 +325,41 @@ def fia_kernel(query, key, value, atten_mask, actual_seq_lengths, actual_seq_len
         query, key, value, atten_mask, actual_seq_lengths, actual_seq_lengths_kv, block_table,
         num_heads, num_key_value_heads, input_layout, sparse_mode, block_size, pre_tokens,
         next_tokens)
-    nkv = num_key_value_heads or num_heads
     if query.shape[0] == 0 or max(q_lens) == 0:
         return  # F17: nothing to attend for
     if CAPTURING.active:
         CAPTURING.unwritten(out)
         return
+    fia_attend(query, key, value, block_table, actual_seq_lengths, actual_seq_lengths_kv,
+               q_lens, kv_lens, num_heads, num_key_value_heads or num_heads, d, scale,
+               sparse_mode, band_of(sparse_mode, pre_tokens, next_tokens), block_size, out)
+
+
+def fia_attend(query, key, value, block_table, actual_seq_lengths, actual_seq_lengths_kv,
+               q_lens, kv_lens, num_heads, nkv, d, scale, sparse_mode, band, block_size, out,
+               sink=None):
+    """The checked attention itself (FIA v1, and v2's dense path). ``sink``: FIA v2's
+    learnable_sink, one logit per query head that joins each row's softmax with no value (the
+    row's output scaled by sigmoid(lse - sink)), as GPT-OSS's attention sinks."""
     cu_q = list(actual_seq_lengths)
     q_starts = [c - q for c, q in zip(cu_q, q_lens)]
     single = [b for b, q in enumerate(q_lens) if q == 1]
-    band = band_of(sparse_mode, pre_tokens, next_tokens)
     if block_table is not None and single:
         # Requests of one query token (decode, and a mixed FULL graph's padding requests) each
         # attend over their own KV, whatever else the batch holds (graph padding requests
         # without a query token are skipped).
         _attend_single_tokens(query, key, value, block_table, single,
                               [q_starts[b] for b in single], [kv_lens[b] for b in single],
-                              num_heads, nkv, d, scale, block_size, band, out)
+                              num_heads, nkv, d, scale, block_size, band, out, sink)
     longer = [b for b, q in enumerate(q_lens) if q > 1 or (q == 1 and block_table is None)]
     if longer:
         _attend_padded(query, key, value, block_table, actual_seq_lengths_kv, longer, q_starts,
                        q_lens, kv_lens, num_heads, nkv, d, scale, sparse_mode, band, block_size,
-                       out)
+                       out, sink)
 
 
 def _attend_single_tokens(query, key, value, block_table, batch_rows, token_rows, kv_lens,
-                          num_heads, nkv, d, scale, block_size, band, out):
+                          num_heads, nkv, d, scale, block_size, band, out, sink=None):
     """One query token per request, the last of its KV: the KV lengths mask, and the band's
     start (its end is the query's own position)."""
     dev = query.device
@@ -367,7 +377,7 @@ def _attend_single_tokens(query, key, value, block_table, batch_rows, token_rows
         # any batch: tests/ut/test_sim_fia.py).
         one = out.new_empty(1, *out.shape[1:])
         _attend_single_tokens(q[:1], key, value, table[:1], [0], [0], kv_lens[:1], num_heads,
-                              nkv, d, scale, block_size, band, one)
+                              nkv, d, scale, block_size, band, one, sink)
         if everything:
             out.copy_(one.expand_as(out))
         else:
@@ -399,11 +409,17 @@ def _attend_single_tokens(query, key, value, block_table, batch_rows, token_rows
         # blocks that hold only such keys at the null block, whose values may be anything).
         kf, vf = (torch.where(masked[:, :, None, None], 0.0, x) for x in (kf, vf))
     heads = []
+    g = num_heads // nkv
     for h in range(nkv):
         scores = torch.bmm(qf[:, h], kf[:, :, h].transpose(1, 2)) * scale  # [T, g, L]
         if masked is not None:
             scores.masked_fill_(masked[:, None], float("-inf"))
-        heads.append(torch.bmm(scores.softmax(-1), vf[:, :, h]))  # [T, g, D]
+        if sink is None:
+            probs = scores.softmax(-1)
+        else:  # the sink's logit joins the softmax, its column dropped after
+            sinks = sink[h * g:(h + 1) * g].float().view(1, g, 1).expand(t, g, 1)
+            probs = torch.cat([scores, sinks], -1).softmax(-1)[..., :-1]
+        heads.append(torch.bmm(probs, vf[:, :, h]))  # [T, g, D]
     o = torch.stack(heads, 1)  # [T, nkv, g, D]
     if everything:
         out.copy_(o.view(t, num_heads, d))
@@ -413,7 +429,7 @@ def _attend_single_tokens(query, key, value, block_table, batch_rows, token_rows
 
 def _attend_padded(query, key, value, block_table, actual_seq_lengths_kv, batch_rows, q_starts,
                    q_lens, kv_lens, num_heads, nkv, d, scale, sparse_mode, band, block_size,
-                   out):
+                   out, sink=None):
     """Requests of several query tokens (causal: query i sits at position kv_len - q_len + i),
     padded to the longest; in mode 4, within the band around that position."""
     dev = query.device
@@ -432,7 +448,7 @@ def _attend_padded(query, key, value, block_table, actual_seq_lengths_kv, batch_
             # request's attention, written to each (alike alone or in any batch).
             _attend_padded(query, key, value, table[:1], None, [0], q_starts[:1], q_lens[:1],
                            kv_lens[:1], num_heads, nkv, d, scale, sparse_mode, band, block_size,
-                           out)
+                           out, sink)
             out[rows[1:]] = out[rows[:1]]
             return
         kp, vp = _paged_kv(key, value, table, max_kv, block_size, nkv, d)
@@ -452,8 +468,18 @@ def _attend_padded(query, key, value, block_table, actual_seq_lengths_kv, batch_
         read = (allowed & q_valid[:, :, None]).any(1)[:, :, None, None]  # [B, Skv, 1, 1]
         kp, vp = (torch.where(read, x, torch.zeros((), dtype=x.dtype)) for x in (kp, vp))
     allowed |= ~q_valid[:, :, None]  # padded query rows: any finite row, discarded below
+    mask = allowed[:, None]
+    if sink is not None:
+        # The sink as one more key: a zero key and value, its score the sink's logit (an
+        # additive mask, in the query's dtype: the sink is bfloat16, exact in it).
+        b, skv = kp.shape[0], kp.shape[1]
+        zero = kp.new_zeros(b, 1, nkv, d)
+        kp, vp = torch.cat([kp, zero], 1), torch.cat([vp, zero], 1)
+        mask = torch.zeros(b, num_heads, max_q, skv + 1, dtype=qp.dtype, device=dev)
+        mask[..., :skv].masked_fill_(~allowed[:, None], float("-inf"))
+        mask[..., skv] = sink.to(qp.dtype).view(1, num_heads, 1)
     o = torch.nn.functional.scaled_dot_product_attention(
-        qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2), attn_mask=allowed[:, None],
+        qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2), attn_mask=mask,
         scale=scale, enable_gqa=num_heads != nkv).transpose(1, 2)  # [B, Sq, N, D]
     out[rows[q_valid]] = o[q_valid].to(out.dtype)
 
