@@ -23,7 +23,9 @@ def test_a_causal_layer_takes_mode_3_and_a_window_of_w_keys_the_band_w_minus_1_b
 
 
 @pytest.mark.parametrize("variant,kwargs", [
-    ("attention sinks", dict(sinks=torch.zeros(4))),  # GPT-OSS: a tensor, one value per head
+    # GPT-OSS's sinks with heads wider than FIA v2's learnable_sink takes
+    ("attention sinks with a head size of 256", dict(sinks=torch.zeros(4, dtype=torch.bfloat16),
+                                                     head_size=256)),
     ("logits soft-capping", dict(logits_soft_cap=50.0)),  # Gemma-2
     ("ALiBi", dict(alibi_slopes=[0.5, 0.25, 0.125, 0.0625])),
 ])
@@ -34,3 +36,21 @@ def test_a_variant_without_a_kernel_is_refused_by_name(variant, kwargs):
 
 def test_no_soft_cap_given_as_zero_is_no_soft_cap():
     assert impl(logits_soft_cap=0.0).mask_args == dict(sparse_mode=3)
+
+
+def test_a_layer_with_sinks_runs_fia_v2_with_learnable_sink_in_v2s_names():
+    """GPT-OSS: FIA v2 with the layer's sinks (upstream's attention_v1.py), v1's keywords
+    renamed, the step's host lists too; sinks in another dtype than bfloat16 are refused with
+    the fix, as the model is built."""
+    from vllm_ascend.device import torch_npu
+
+    sinks = torch.zeros(4, dtype=torch.bfloat16)
+    layer = impl(sinks=sinks)
+    assert layer.fia is torch_npu.npu_fused_infer_attention_score_v2
+    args = layer.fia_args(dict(actual_seq_lengths=[1], actual_seq_lengths_kv=[3], num_heads=4,
+                               scale=0.5, sparse_mode=3))
+    assert args == dict(actual_seq_qlen=[1], actual_seq_kvlen=[3], num_query_heads=4,
+                        softmax_scale=0.5, sparse_mode=3, learnable_sink=sinks)
+    assert impl().fia is torch_npu.npu_fused_infer_attention_score
+    with pytest.raises(ValueError, match="--dtype bfloat16"):
+        impl(sinks=torch.zeros(4, dtype=torch.float16))

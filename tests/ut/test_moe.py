@@ -66,8 +66,9 @@ def test_a_routing_the_layer_does_not_build_fails_at_load_naming_the_layer():
     method = SimpleNamespace(moe=SimpleNamespace(has_bias=False))
     with pytest.raises(ValueError, match=(
             r"model.layers.3.mlp.experts: vllm-ascend's MoE layer routes by softmax top-k to "
-            r"SwiGLU experts \(Qwen2-MoE, Qwen3-MoE, DeepSeek-V2\); this model uses sigmoid "
-            r"scores, grouped top-k, a score-correction bias, which it does not build yet")):
+            r"SwiGLU experts \(Qwen2-MoE, Qwen3-MoE, DeepSeek-V2, GPT-OSS\); this model uses "
+            r"sigmoid scores, grouped top-k, a score-correction bias, which it does not build "
+            r"yet")):
         AscendUnquantizedFusedMoEMethod.process_weights_after_loading(method, deepseek_like)
 
 
@@ -103,13 +104,15 @@ def _reference(x, logits, renormalize, experts=range(E), scale=1.0):
     return out
 
 
-def _layer_experts(x, logits, renormalize, first=0, last=E, scale=1.0):
+def _layer_experts(x, logits, renormalize, first=0, last=E, scale=1.0, biases=None):
     """The product's expert computation (AscendUnquantizedFusedMoEMethod._experts) on a layer
     holding experts [first, last), with its weights as process_weights_after_loading leaves
-    them (transposed to [E, K, N], bfloat16)."""
+    them (transposed to [E, K, N], bfloat16). With ``biases`` (w13's, w2's): GPT-OSS's experts,
+    biased, behind the clamped SwiGLU on interleaved gate/up columns."""
     from types import SimpleNamespace
 
     import torch
+    from vllm.model_executor.layers.fused_moe import MoEActivation
 
     from vllm_ascend.ops.fused_moe.method import AscendUnquantizedFusedMoEMethod
 
@@ -117,9 +120,13 @@ def _layer_experts(x, logits, renormalize, first=0, last=E, scale=1.0):
     layer = SimpleNamespace(
         top_k=TOP_K, renormalize=renormalize, global_num_experts=E, routed_scaling_factor=scale,
         ascend_expert_range=(first, last),
+        activation=MoEActivation.SWIGLUOAI if biases else MoEActivation.SILU,
         w13_weight=w13[first:last].transpose(1, 2).contiguous().to(torch.bfloat16),
         w2_weight=w2[first:last].transpose(1, 2).contiguous().to(torch.bfloat16))
-    return AscendUnquantizedFusedMoEMethod._experts(None, layer, x.to(torch.bfloat16),
+    if biases:
+        layer.w13_bias, layer.w2_bias = (b[first:last].float() for b in biases)
+    method = SimpleNamespace(moe=SimpleNamespace(has_bias=biases is not None))
+    return AscendUnquantizedFusedMoEMethod._experts(method, layer, x.to(torch.bfloat16),
                                                     logits.to(torch.bfloat16)).float()
 
 
@@ -169,3 +176,33 @@ def test_expert_parallel_ranks_add_up_even_when_a_rank_gets_one_pair_or_none():
                                atol=0.03, rtol=0.03)
     logits[0, 5] = -20.0  # now rank [4, 8) receives no pair at all
     assert torch.isfinite(_layer_experts(x, logits, True, 4, 8)).all()
+
+
+def test_gpt_oss_experts_are_hfs_with_their_biases_and_clamped_swiglu():
+    """GPT-OSS (HF's GptOssExperts): softmax over the top-k router logits, each expert's
+    x @ W13 + b13 with gate and up interleaved, (up + 1) * gate * sigmoid(1.702 gate) after
+    clamping both at 7, then @ W2 + b2, weighted."""
+    import torch
+
+    x, logits = _inputs()
+    x = x * 4  # reach the clamp at 7 now and then
+    g = torch.Generator().manual_seed(2)
+    biases = (torch.randn(E, 2 * INTER, generator=g), torch.randn(E, H, generator=g))
+    w13, w2 = _weights()
+    probs, ids = torch.softmax(logits.float(), -1).topk(TOP_K, -1)
+    probs = probs / probs.sum(-1, keepdim=True)
+    ref, largest = torch.zeros(x.shape), 0.0
+    xb = x.to(torch.bfloat16).float()
+    for t in range(x.shape[0]):
+        for p, e in zip(probs[t], ids[t].tolist()):
+            gate_up = xb[t] @ w13[e].to(torch.bfloat16).float().T + biases[0][e]
+            largest = max(largest, gate_up.abs().max().item())
+            gate, up = gate_up[::2].clamp(max=7.0), gate_up[1::2].clamp(-7.0, 7.0)
+            hidden = (up + 1) * gate * torch.sigmoid(1.702 * gate)
+            ref[t] += p * (hidden @ w2[e].to(torch.bfloat16).float().T + biases[1][e])
+    out = _layer_experts(x, logits, True, biases=biases)
+    torch.testing.assert_close(out, ref, atol=0.1, rtol=0.03)
+    assert largest > 7.0  # the clamp took part
+    halves = [_layer_experts(x, logits, True, first, last, biases=biases)
+              for first, last in ((0, 4), (4, 8))]
+    torch.testing.assert_close(halves[0] + halves[1], out, atol=0.1, rtol=0.03)

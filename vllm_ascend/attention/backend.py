@@ -107,20 +107,40 @@ class AscendAttentionMetadataBuilder(AttentionMetadataBuilder[AscendMetadata]):
                           fast_build=True)
 
 
+# FIA v2 (for layers with sinks) names v1's keywords so (upstream attention_v1.py, 1375-1400).
+V2_NAMES = {"actual_seq_lengths": "actual_seq_qlen", "actual_seq_lengths_kv": "actual_seq_kvlen",
+            "num_heads": "num_query_heads", "scale": "softmax_scale"}
+SINK_MAX_HEAD_SIZE = 128  # FIA v2's learnable_sink: a value head dim of at most 128
+
+
+def check_sinks(sinks: torch.Tensor, head_size: int) -> None:
+    """What FIA v2's learnable_sink takes (docs/torch_npu_calls.md), checked as the model is
+    built: bfloat16 sinks (vLLM makes them in the model's dtype) and heads of at most 128."""
+    if sinks.dtype != torch.bfloat16:
+        raise ValueError(
+            f"Attention sinks run on FIA v2's learnable_sink, which takes bfloat16; this model "
+            f"runs in {sinks.dtype}: serve it with --dtype bfloat16.")
+    if head_size > SINK_MAX_HEAD_SIZE:
+        raise NotImplementedError(
+            f"The Ascend attention backend does not support attention sinks with a head size "
+            f"of {head_size}: FIA v2's learnable_sink takes at most {SINK_MAX_HEAD_SIZE}.")
+
+
 class AscendAttentionImpl(AttentionImpl):
     def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
                  kv_cache_dtype, logits_soft_cap=None, attn_type=AttentionType.DECODER,
                  kv_sharing_target_layer_name=None, sinks=None):
-        # (sinks and ALiBi slopes are tensors or lists: asked whether given, not whether true)
+        # (ALiBi slopes are a list or a tensor: asked whether given, not whether true)
         unsupported = [name for name, given in (
             ("ALiBi (FIA's pse_shift, which vllm-ascend does not pass)", alibi_slopes is not None),
             ("logits soft-capping (no Ascend attention kernel applies it)", bool(logits_soft_cap)),
-            ("attention sinks (FIA v2's learnable_sink, which vllm-ascend does not pass yet)",
-             sinks is not None)) if given]
+            ) if given]
         if unsupported:
             raise NotImplementedError(
                 f"The Ascend attention backend does not support {'; '.join(unsupported)}: this "
                 "model cannot run on vllm-ascend yet.")
+        if sinks is not None:
+            check_sinks(sinks, head_size)
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = float(scale)
@@ -128,6 +148,16 @@ class AscendAttentionImpl(AttentionImpl):
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.mask_args = fia_mask_args(sliding_window)
+        # Layers with sinks (GPT-OSS) run FIA v2 with learnable_sink, as upstream; others v1.
+        self.sinks = sinks
+        self.fia = (torch_npu.npu_fused_infer_attention_score if sinks is None
+                    else torch_npu.npu_fused_infer_attention_score_v2)
+
+    def fia_args(self, args: dict) -> dict:
+        """FIA's keywords, written in v1's names, for this layer's FIA."""
+        if self.sinks is None:
+            return args
+        return {V2_NAMES.get(k, k): v for k, v in args.items()} | {"learnable_sink": self.sinks}
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         if kv_cache is None or kv_cache.numel() == 0:
@@ -148,7 +178,7 @@ class AscendAttentionImpl(AttentionImpl):
             return output.fill_(0)
         key_cache, value_cache = kv_caches_of(kv_cache)
         num_blocks, block_size = key_cache.shape[:2]
-        fia_args = dict(
+        fia_args = self.fia_args(dict(
             key=key_cache.view(num_blocks, block_size, -1),  # BnBsH, as FIA reads paged KV
             value=value_cache.view(num_blocks, block_size, -1),
             atten_mask=attn_metadata.atten_mask, block_table=attn_metadata.block_table,
@@ -156,7 +186,7 @@ class AscendAttentionImpl(AttentionImpl):
             actual_seq_lengths=attn_metadata.actual_seq_lengths_q,
             actual_seq_lengths_kv=attn_metadata.seq_lens_list,
             num_key_value_heads=self.num_kv_heads, num_heads=self.num_heads, scale=self.scale,
-            **self.mask_args)
+            **self.mask_args))
         if torch_npu.npu.is_current_stream_capturing():
             # Inside a FULL graph: the query is not sliced (the runner padded the metadata).
             n = attn_metadata.num_actual_tokens
@@ -165,27 +195,28 @@ class AscendAttentionImpl(AttentionImpl):
             return output
         # Eager, or between PIECEWISE pieces: the real tokens only.
         n = attn_metadata.num_actual_tokens
-        attn_out, _ = torch_npu.npu_fused_infer_attention_score(
-            query=query[:n].view(n, self.num_heads, self.head_size), **fia_args)
+        attn_out, _ = self.fia(query=query[:n].view(n, self.num_heads, self.head_size),
+                               **fia_args)
         output[:n].view(n, self.num_heads, self.head_size).copy_(attn_out)
         return output
 
-    @staticmethod
-    def step_args(metadata: AscendMetadata) -> dict:
+    def step_args(self, metadata: AscendMetadata) -> dict:
         """What a FULL replay re-issues: the step's host lists and block table."""
-        return dict(block_table=metadata.block_table,
+        args = dict(block_table=metadata.block_table,
                     actual_seq_lengths=metadata.actual_seq_lengths_q,
                     actual_seq_lengths_kv=metadata.seq_lens_list)
+        return args if self.sinks is None else {V2_NAMES.get(k, k): v for k, v in args.items()}
 
     def _capture_fia(self, query, out, fia_args) -> None:
         """Upstream's FULL-graph protocol (graph_params.GraphParams.capture), with the .out call
         and a workspace that serve any lengths; everything by keyword, as upstream."""
         fia_args = dict({"pre_tokens": NO_BAND, "next_tokens": NO_BAND}, **fia_args,
                         query=query)
+        max_workspace = (torch_npu._npu_fused_infer_attention_score_get_max_workspace
+                         if self.sinks is None else
+                         torch_npu._npu_fused_infer_attention_score_v2_get_max_workspace)
         get_forward_context().no_compile_layers[GRAPH_STATE].fia.capture(
-            torch_npu.npu_fused_infer_attention_score.out, (), fia_args, out,
-            lambda: torch_npu._npu_fused_infer_attention_score_get_max_workspace(**fia_args),
-            self.step_args)
+            self.fia.out, (), fia_args, out, lambda: max_workspace(**fia_args), self.step_args)
 
 
 class AscendAttentionBackend(AttentionBackend):

@@ -1,5 +1,7 @@
 import torch
 from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+from vllm.model_executor.layers.rotary_embedding.yarn_scaling_rope import (
+    YaRNScalingRotaryEmbedding)
 
 from vllm_ascend.device import torch_npu
 from vllm_ascend.ops.qkv import StepRope, rotate_heads
@@ -7,14 +9,14 @@ from vllm_ascend.ops.qkv import StepRope, rotate_heads
 MROPE_ALIGN = 32  # npu_mrope: head_size and rotary_dim multiples of 32 for fp16/bf16
 
 
-@RotaryEmbedding.register_oot(name="RotaryEmbedding")
-class AscendRotaryEmbedding(RotaryEmbedding):
-    """Plain (unscaled) RoPE. With the step's cos/sin rows gathered once per step
-    (``step_rope``, given by share_step_ropes), npu_rotary_mul on them, as upstream's
-    rotary_embedding.py reads its ``update_cos_sin`` rows; otherwise npu_mrope with no multimodal
-    sections (upstream's path where Triton is unavailable), which gathers in every layer. Sizes
-    npu_mrope does not take (a partial rotary dim of 16, as GLM-4's with 32-wide heads) run
-    upstream's unfused torch version, as upstream's Triton kernel covers them."""
+class AscendRope:
+    """RoPE on a cos/sin table (the subclass's: plain, or YaRN-scaled). With the step's cos/sin
+    rows gathered once per step (``step_rope``, given by share_step_ropes), npu_rotary_mul on
+    them, as upstream's rotary_embedding.py reads its ``update_cos_sin`` rows; otherwise npu_mrope
+    with no multimodal sections (upstream's path where Triton is unavailable), which gathers in
+    every layer. Sizes npu_mrope does not take (a partial rotary dim of 16, as GLM-4's with
+    32-wide heads) run upstream's unfused torch version, as upstream's Triton kernel covers
+    them."""
 
     step_rope: StepRope | None = None  # shared by the layers reading one rotary table
 
@@ -40,6 +42,17 @@ class AscendRotaryEmbedding(RotaryEmbedding):
         return q.view(query.shape), (k.view(key.shape) if key is not None else None)
 
 
+@RotaryEmbedding.register_oot(name="RotaryEmbedding")
+class AscendRotaryEmbedding(AscendRope, RotaryEmbedding):
+    """Plain (unscaled) RoPE."""
+
+
+@YaRNScalingRotaryEmbedding.register_oot(name="YaRNScalingRotaryEmbedding")
+class AscendYaRNScalingRotaryEmbedding(AscendRope, YaRNScalingRotaryEmbedding):
+    """YaRN (GPT-OSS): only its table differs, so the same rotation, as upstream's
+    AscendYaRNRotaryEmbedding calls AscendRotaryEmbedding.forward_oot."""
+
+
 def share_step_ropes(model: torch.nn.Module, max_num_tokens: int, dtype: torch.dtype,
                      existing: list[StepRope]) -> None:
     """Give each rotary table of ``model`` that AscendRotaryEmbedding rotates one StepRope (the
@@ -48,7 +61,7 @@ def share_step_ropes(model: torch.nn.Module, max_num_tokens: int, dtype: torch.d
     model file."""
     by_table = {(id(s.cache), s.is_neox): s for s in existing}
     for module in model.modules():
-        if isinstance(module, AscendRotaryEmbedding) and module.takes_fused_sizes() and \
+        if isinstance(module, AscendRope) and module.takes_fused_sizes() and \
                 module.step_rope is None:
             key = (id(module.cos_sin_cache), module.is_neox_style)
             if key not in by_table:

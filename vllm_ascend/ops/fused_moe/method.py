@@ -13,6 +13,7 @@ all-to-all manager the NPU communicator does not have.
 import torch
 from vllm.distributed import get_dp_group, get_ep_group
 from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.activation import SwigluOAIAndMul
 from vllm.model_executor.layers.fused_moe import MoEActivation, UnquantizedFusedMoEMethod
 
 from vllm_ascend import device
@@ -92,6 +93,16 @@ def log_layout(model: torch.nn.Module) -> None:
                 "; ".join(sorted(c.reason for c in choices)))
 
 
+# The experts' activations, as upstream's unquant_apply_mlp runs them: SwiGLU in one kernel;
+# GPT-OSS's clamped SwiGLU on interleaved gate/up columns through vLLM's torch version.
+ACTIVATIONS = {MoEActivation.SILU: lambda x: torch_npu.npu_swiglu(x),
+               MoEActivation.SWIGLUOAI: lambda x: SwigluOAIAndMul.forward_native(_OAI, x)}
+_OAI = type("SwigluOAIParams", (), dict(alpha=1.702, limit=7.0))  # vLLM's fixed values
+# npu_grouped_matmul's bias dtype for its x's (torch_npu's table: float16 with float16,
+# float32 with bfloat16)
+GMM_BIAS_DTYPE = {torch.bfloat16: torch.float32}
+
+
 @UnquantizedFusedMoEMethod.register_oot(name="UnquantizedFusedMoEMethod")
 class AscendUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
 
@@ -117,12 +128,11 @@ class AscendUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
             ("a custom routing function", layer.custom_routing_function is not None),
             ("a score-correction bias", layer.e_score_correction_bias is not None),
             ("router weights applied to the input", layer.apply_router_weight_on_input),
-            (f"{layer.activation.value} experts", layer.activation != MoEActivation.SILU),
-            ("expert biases", self.moe.has_bias)) if used]
+            (f"{layer.activation.value} experts", layer.activation not in ACTIVATIONS)) if used]
         if unsupported:
             raise ValueError(
                 f"{layer.layer_name}: vllm-ascend's MoE layer routes by softmax top-k to SwiGLU "
-                f"experts (Qwen2-MoE, Qwen3-MoE, DeepSeek-V2); this model uses "
+                f"experts (Qwen2-MoE, Qwen3-MoE, DeepSeek-V2, GPT-OSS); this model uses "
                 f"{', '.join(unsupported)}, which it does not build yet (docs/moe.md). Serve "
                 "one of those families.")
         super().process_weights_after_loading(layer)  # the OOT backend keeps the weights as is
@@ -131,6 +141,10 @@ class AscendUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
         for name in ("w13_weight", "w2_weight"):
             weight = getattr(layer, name)
             weight.data = weight.data.transpose(1, 2).contiguous()
+        if self.moe.has_bias:  # GPT-OSS: in the dtype npu_grouped_matmul takes with x's
+            for name in ("w13_bias", "w2_bias"):
+                bias = getattr(layer, name)
+                bias.data = bias.data.to(GMM_BIAS_DTYPE.get(bias.dtype, bias.dtype))
         layer.ascend_expert_range = expert_range(layer.expert_map, layer.local_num_experts)
 
     def apply_monolithic(self, layer, x: torch.Tensor, router_logits: torch.Tensor,
@@ -168,13 +182,14 @@ class AscendUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
             expert_num=layer.global_num_experts, expert_tokens_num_type=1,
             expert_tokens_num_flag=True, active_expert_range=[first, last], quant_mode=-1)
         expert_tokens = expert_tokens.to(torch.int64)
+        biased = self.moe.has_bias
         gate_up = torch_npu.npu_grouped_matmul(
-            x=[sorted_x], weight=[layer.w13_weight], split_item=2, group_list_type=1,
-            group_type=0, group_list=expert_tokens)[0]
-        hidden = torch_npu.npu_swiglu(gate_up)
+            x=[sorted_x], weight=[layer.w13_weight], bias=[layer.w13_bias] if biased else None,
+            split_item=2, group_list_type=1, group_type=0, group_list=expert_tokens)[0]
+        hidden = ACTIVATIONS[layer.activation](gate_up)
         down = torch_npu.npu_grouped_matmul(
-            x=[hidden], weight=[layer.w2_weight], split_item=2, group_list_type=1,
-            group_type=0, group_list=expert_tokens)[0]
+            x=[hidden], weight=[layer.w2_weight], bias=[layer.w2_bias] if biased else None,
+            split_item=2, group_list_type=1, group_type=0, group_list=expert_tokens)[0]
         if last - first < layer.global_num_experts:
             # The pairs routed to other ranks point (through abs(-1)) at row 1, weighted 0; the
             # grouped matmul leaves the rows past this rank's routed pairs undefined, and
