@@ -42,8 +42,12 @@ OUR_CLASSES = {"llama": "AscendLlamaForCausalLM", "smollm2": "AscendLlamaForCaus
                "qwen2": "AscendQwen2ForCausalLM", "qwen3": "AscendQwen3ForCausalLM"}
 
 
+def class_name(model) -> str:
+    return type(model).__name__
+
+
 def loaded_class(llm) -> str:
-    return llm.apply_model(lambda model: type(model).__name__)[0]
+    return llm.apply_model(class_name)[0]  # (by reference: workers of other processes too)
 
 
 # ModelSlim W8A8 exports of the tiny families (scripts/models.py): the base family, the type of
@@ -383,6 +387,8 @@ def model_kind(path: str) -> str:
     tiny random-weight model."""
     if (pathlib.Path(path) / "quant_model_description.json").exists():
         return "w8a8"
+    if "tiny-gpt_oss" in str(path):
+        return "tiny-gpt-oss"
     return "smollm2" if "SmolLM2" in str(path) else "tiny"
 
 
@@ -394,6 +400,10 @@ def model_kind(path: str) -> str:
 LOGPROB_TOLERANCE = {
     ("tiny", "bfloat16"): 0.4,  # worst 0.207 of 1573 positions; partings at gaps up to 0.33
     ("tiny", "float16"): 0.15,  # worst 0.067 of 688; partings at gaps up to 0.018
+    # GPT-OSS's tiny model amplifies bfloat16 rounding into its logits more than the others: its
+    # attention and MoE outputs are as close to fp32 as HF's own bfloat16 run's (measured per
+    # layer), yet HF's bfloat16 logprobs depart from fp32 by up to 0.64 along the same tokens.
+    ("tiny-gpt-oss", "bfloat16"): 1.9,  # worst 0.951 of 256; partings at gaps up to 0.39
     ("smollm2", "bfloat16"): 0.3,  # worst 0.158 (32 tokens, 7 prompts); no parting
     ("smollm2", "float16"): 0.05,  # worst 0.016 (the same prompts)
     # W8A8 exports against their fp32 reference (the same quantization, w8a8_reference.py): an

@@ -13,9 +13,12 @@ causal path, and OLMo-2 and Seed-OSS through vLLM's Transformers backend (in a p
 own: see FAMILIES). Most run through vLLM's own model classes, with no model file of ours;
 Qwen2 and Qwen3 through their files (vllm_ascend/models/), the same matrix.
 
+GPT-OSS's attention sinks run on FIA v2 (learnable_sink), on a sliding layer and a full one,
+with YaRN RoPE and biased experts behind the clamped SwiGLU.
+
 Families whose attention has no Ascend kernel here are refused while the engine starts (the
 model's layers are built before any weight loads), naming what is missing: Gemma-2's logit
-soft-capping, GPT-OSS's attention sinks."""
+soft-capping, and GPT-OSS in float16 (the sinks' kernel takes bfloat16)."""
 
 import contextlib
 import functools
@@ -46,6 +49,10 @@ FAMILIES = {
                    model_class="Gemma3ForCausalLM"),
     "exaone4": dict(dtype="float16", block_size=16, prompts=PROMPTS + [LONG],
                     model_class="Exaone4ForCausalLM"),
+    # Attention sinks (FIA v2's learnable_sink, bfloat16 only) on a sliding layer and a full one,
+    # YaRN RoPE, experts with biases and the clamped SwiGLU.
+    "gpt_oss": dict(dtype="bfloat16", block_size=16, prompts=PROMPTS + [LONG],
+                    model_class="GptOssForCausalLM"),
     "phi3": dict(dtype="float16", block_size=128, prompts=PROMPTS, model_class="Phi3ForCausalLM"),
     "granite": dict(dtype="float16", block_size=128, prompts=PROMPTS,
                     model_class="GraniteForCausalLM"),
@@ -161,6 +168,36 @@ def test_a_graph_mode_gives_the_eager_result_exactly(family, mode):
         check_identical(eager, graph, f"{family} {mode} {prompt[:24]!r}")
 
 
+# TP=2 for every family whose heads divide (all of them: 4 query and 2 KV heads), one graph mode
+# each, in turn, on vLLM's multiprocessing executor (a worker process a rank, which also keeps
+# the Transformers backend's changes to HF's classes out of this process). Gemma-3 and GPT-OSS
+# run at TP=2 on the Ray cluster (test_parallel.py); Qwen3 with no file is Qwen3's checkpoint.
+TP2 = [f for f in FAMILIES if f not in ("gemma3", "gpt_oss", "qwen3_no_file")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,mode", [(f, MODES[i % len(MODES)]) for i, f in enumerate(TP2)])
+def test_family_at_tp2_is_close_to_hf_with_the_replays_its_steps_call_for(family, mode):
+    spec = FAMILIES[family]
+    path = model_path(spec.get("checkpoint", family))
+    with engine(path, dtype=spec["dtype"], block_size=spec["block_size"],
+                tensor_parallel_size=2, compilation_config={
+                    "cudagraph_mode": mode, "cudagraph_capture_sizes": CAPTURE_SIZES}) as llm:
+        with replays(llm) as made:
+            outs = vllm_greedy(llm, spec["prompts"], MAX_TOKENS)
+        layers = llm.llm_engine.vllm_config.model_config.hf_config.num_hidden_layers
+        assert loaded_class(llm) == spec["model_class"]
+    for prompt, out in zip(spec["prompts"], outs):
+        check_logprobs_close(hf_greedy(path, prompt, MAX_TOKENS), out,
+                             f"{family} TP=2 {mode} {prompt[:24]!r}", dtype=spec["dtype"])
+    assert len(made["ranks"]) == 2
+    for rank, here in enumerate(made["ranks"]):
+        expected = expected_replays(mode, here["steps"], layers, max(CAPTURE_SIZES))
+        assert here["replayed"] == expected, (rank, here)
+        if mode != "NONE":
+            assert here["replayed"].get("FULL", 0) >= MAX_TOKENS - 1, (rank, here)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_a_family_with_no_file_makes_its_twins_calls(mode):
     """vLLM's own Qwen3 class, through the Ascend CustomOps and FX passes, makes the same
@@ -179,9 +216,13 @@ def test_a_family_with_no_file_makes_its_twins_calls(mode):
         check_identical(a, b, f"Qwen3 file vs vLLM's class, {mode} {prompt[:24]!r}")
 
 
-@pytest.mark.parametrize("family,missing", [
-    ("gemma2", "logits soft-capping"), ("gpt_oss", "attention sinks")])
-def test_a_family_without_a_kernel_for_its_attention_is_refused_at_start_up(family, missing):
-    with pytest.raises(NotImplementedError, match=f"does not support {missing}"):
-        with engine(config_only_dir(family)):  # its config alone: refused before weights load
+@pytest.mark.parametrize("family,dtype,error,match", [
+    ("gemma2", "bfloat16", NotImplementedError, "does not support logits soft-capping"),
+    # FIA v2's learnable_sink takes bfloat16 only: GPT-OSS in float16 is refused with the fix.
+    ("gpt_oss", "float16", ValueError, "takes bfloat16.*serve it with --dtype bfloat16")])
+def test_a_family_without_a_kernel_for_its_attention_is_refused_at_start_up(family, dtype,
+                                                                             error, match):
+    with pytest.raises(error, match=match):
+        # its config alone: refused before any weight loads
+        with engine(config_only_dir(family), dtype=dtype):
             pass

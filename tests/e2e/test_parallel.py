@@ -12,8 +12,8 @@ In-process engines (each Ray worker is a process that imports vLLM):
 - TP=2 within each node x PP=2 across them, in FULL_AND_PIECEWISE (~50 s), replays FULL decode
   graphs and, for a prefill that fits the largest size, PIECEWISE pieces, exactly as many as
   its steps call for on all four ranks;
-- more layouts, one graph mode each (LAYOUTS: TP=2 with EP, DeepSeek-V2-MoE, EAGLE, Gemma-3;
-  TP=3; TP=4 over both nodes), with the same checks;
+- more layouts, one graph mode each (LAYOUTS: TP=2 with EP, DeepSeek-V2-MoE, EAGLE, Gemma-3,
+  GPT-OSS; TP=3; TP=4 over both nodes), with the same checks;
 - TP=2 on one node in FULL (~25 s) replays FULL graphs for decode, prefill and mixed batches,
   with an all-reduce per layer inside them, on a mixture-of-experts model with expert
   parallelism (each rank computes its half of the experts, the all-reduce sums them) exported
@@ -231,6 +231,10 @@ LAYOUTS = {
     # A family through vLLM's own class, its sliding layer's band on each rank's heads.
     "TP=2 Gemma-3 FULL_AND_PIECEWISE": (
         "gemma3", "bfloat16", "FULL_AND_PIECEWISE", 0, dict(tensor_parallel_size=2)),
+    # Each rank's heads with their sinks, each rank's half of every expert's columns (the
+    # second projection's bias on rank 0 only, as vLLM loads it).
+    "TP=2 GPT-OSS FULL_DECODE_ONLY": (
+        "gpt_oss", "bfloat16", "FULL_DECODE_ONLY", 0, dict(tensor_parallel_size=2)),
 }
 
 

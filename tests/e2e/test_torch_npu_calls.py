@@ -6,7 +6,8 @@ in FULL graphs and updated every step; its compiled pieces call their ops direct
 same call sites, and those lines are left out here); a
 third, of a tiny DeepSeek-V2 in FULL_AND_PIECEWISE, makes the MLA calls; a fourth, eager, of a
 W8A8 export of the tiny Llama (one dynamic, one static layer), the quantized ones; a fifth, eager,
-of a tiny Mistral with n-gram drafts, the sliding window's band and npu_mrope. Each distinct
+of a tiny Mistral with n-gram drafts, the sliding window's band and npu_mrope; a sixth, of a tiny
+GPT-OSS in FULL_DECODE_ONLY, FIA v2 with attention sinks and biased experts. Each distinct
 call shape must match the table below, written from ../shared/TORCH_NPU_CONTRACTS.md and
 docs/torch_npu_calls.md (op name, positional count, keyword names, dtypes, ranks, contiguity),
 and every API of the table must be used.
@@ -61,6 +62,24 @@ MLA_FIA = {"query_rope": tensor(4), "key_rope": tensor(4), "num_query_heads": IN
            "atten_mask": value("NoneType"), "sparse_mode": INT, "softmax_scale": FLOAT,
            "block_table": tensor(2, ("int32",)), "block_size": INT,
            "actual_seq_qlen": value("NoneType"), "actual_seq_kvlen": HOST_LIST}
+# attention_v1.py 1375-1400 (eager), 1089-1213 (workspace, capture), 609-710 (update): a layer
+# with sinks calls FIA v2 with learnable_sink, v1's keywords in v2's names. (Upstream passes
+# pre_tokens/next_tokens in every call, which the chip ignores outside sparse_mode 4; here they
+# go where v1's do: with the band, and in a capture.)
+SINK_FIA = {"query": tensor(3), "key": tensor(3), "value": tensor(3),
+            "atten_mask": tensor(2, ("int8",)), "block_table": tensor(2, ("int32",)),
+            "input_layout": value("TND"), "block_size": INT, "actual_seq_qlen": HOST_LIST,
+            "actual_seq_kvlen": HOST_LIST, "num_key_value_heads": INT, "num_query_heads": INT,
+            "softmax_scale": FLOAT, "sparse_mode": INT, "learnable_sink": tensor(1)}
+SINK_FIA_GRAPH = {**SINK_FIA, "pre_tokens": INT, "next_tokens": INT}
+# moe_mlp.py unquant_apply_mlp (595-603 and the down projection): bias None, or GPT-OSS's
+# experts' biases, float32 with bfloat16 x.
+GMM = {"x": lambda d: isinstance(d, list) and len(d) == 1 and tensor(2)(d[0]),
+       "weight": lambda d: isinstance(d, list) and len(d) == 1 and tensor(3)(d[0]),
+       "bias": value("NoneType"), "split_item": INT, "group_list_type": INT, "group_type": INT,
+       "group_list": tensor(1, ("int64",))}
+BIAS = lambda d: isinstance(d, list) and len(d) == 1 and tensor(2, ("float32",))(d[0])  # noqa
+BIAS.__doc__ = "[2-D float32 tensor]"
 TABLE = {
     "npu_fused_infer_attention_score": [([], FIA), ([], FIA_BAND), MLA_PREFILL],
     "_npu_fused_infer_attention_score_get_max_workspace": ([], FIA_GRAPH),
@@ -84,11 +103,7 @@ TABLE = {
         "scale": value("NoneType"), "active_num": INT, "expert_num": INT,
         "expert_tokens_num_type": value("int"), "expert_tokens_num_flag": value("bool"),
         "active_expert_range": HOST_LIST, "quant_mode": INT}),
-    "npu_grouped_matmul": ([], {
-        "x": lambda d: isinstance(d, list) and len(d) == 1 and tensor(2)(d[0]),
-        "weight": lambda d: isinstance(d, list) and len(d) == 1 and tensor(3)(d[0]),
-        "split_item": INT, "group_list_type": INT, "group_type": INT,
-        "group_list": tensor(1, ("int64",))}),
+    "npu_grouped_matmul": [([], GMM), ([], {**GMM, "bias": BIAS})],
     "npu_moe_token_unpermute": ([], {"permuted_tokens": tensor(2),
                                      "sorted_indices": tensor(1, ("int32",)),
                                      "probs": tensor(2)}),
@@ -104,12 +119,15 @@ TABLE = {
                                   {"c_kv_scale": value("NoneType"), "epsilon": FLOAT,
                                    "cache_mode": value("PA")}),
     "npu_interleave_rope": ([tensor(4), tensor(4), tensor(4)], {}),
-    "npu_fused_infer_attention_score_v2": ([tensor(4), tensor(4), tensor(4)], MLA_FIA),
-    "_npu_fused_infer_attention_score_v2_get_max_workspace": (
-        [tensor(4), tensor(4), tensor(4)], MLA_FIA),
-    "npu_fused_infer_attention_score_v2.out": ([tensor(4), tensor(4), tensor(4)], {
+    "npu_fused_infer_attention_score_v2": [([tensor(4), tensor(4), tensor(4)], MLA_FIA),
+                                           ([], SINK_FIA), ([], SINK_FIA_GRAPH)],
+    "_npu_fused_infer_attention_score_v2_get_max_workspace": [
+        ([tensor(4), tensor(4), tensor(4)], MLA_FIA), ([], SINK_FIA_GRAPH)],
+    "npu_fused_infer_attention_score_v2.out": [([tensor(4), tensor(4), tensor(4)], {
         **MLA_FIA, "workspace": tensor(1),
         "out": lambda d: isinstance(d, list) and tensor(4)(d[0]) and tensor(1)(d[1])}),
+        ([], {**SINK_FIA_GRAPH, "workspace": tensor(1),
+              "out": lambda d: isinstance(d, list) and tensor(3)(d[0]) and tensor(1)(d[1])})],
     # rotary_embedding.py:183-192: RoPE of vLLM's own model classes (Mistral's here).
     "npu_mrope": ([tensor(1, ("int64",)), tensor(2), tensor(2), tensor(2), INT],
                   {"mrope_section": HOST_LIST, "rotary_mode": value("half", "interleaved")}),
@@ -176,6 +194,12 @@ def call_log(tmp_path_factory):
         # (ops/rotary_embedding.py: no step rows, which a draft could share).
         with engine(model_path("mistral"), max_num_seqs=4, enforce_eager=True,
                     speculative_config=speculative_config("mistral", "ngram", 2)) as llm:
+            vllm_greedy(llm, ["The capital of France is", "Hello"], 4)
+        # GPT-OSS: FIA v2 with sinks, eager (prefill; the sliding layer's band), captured in
+        # FULL decode graphs and updated; biased experts.
+        with engine(model_path("gpt_oss"), max_num_seqs=4, block_size=16, compilation_config={
+                "cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [1, 2, 4]}) \
+                as llm:
             vllm_greedy(llm, ["The capital of France is", "Hello"], 4)
     # The calls made from Python, as their call sites made them; a compiled piece's calls (the
     # log's "in": "graph" lines, in the dispatcher's form) come from those same call sites.
