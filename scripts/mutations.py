@@ -61,9 +61,9 @@ MUTATIONS = [
     Mutation("fia-query-lengths-not-updated",
              "a mixed FULL replay splits the tokens into the capture's requests",
              "vllm_ascend/attention/backend.py",
-             "        return dict(block_table=metadata.block_table,\n"
+             "        args = dict(block_table=metadata.block_table,\n"
              "                    actual_seq_lengths=metadata.actual_seq_lengths_q,\n",
-             "        return dict(block_table=metadata.block_table,\n",
+             "        args = dict(block_table=metadata.block_table,\n",
              ("tests/e2e/test_full_graphs.py",)),
     Mutation("padding-query-starts-off-by-one",
              "the padded requests' cumulative query lengths miss the graph's token count",
@@ -200,6 +200,32 @@ MUTATIONS = [
              "                rotated, (slice(None), slice(None), "
              "slice(q_size // head - 1, -1)))),))",
              ("tests/e2e/test_fusion_passes.py",)),
+    Mutation("attention-sinks-dropped", "GPT-OSS attends without its sinks (FIA v2 without "
+             "learnable_sink)", "vllm_ascend/attention/backend.py",
+             '| {"learnable_sink": self.sinks}', '| {"learnable_sink": None}',
+             ("tests/e2e/test_families.py", "-k", "gpt_oss and close")),
+    Mutation("sinks-replayed-with-v1-names",
+             "a FULL replay re-issues a layer with sinks under FIA v1's keyword names",
+             "vllm_ascend/attention/backend.py",
+             "        return args if self.sinks is None else {V2_NAMES.get(k, k): v for k, v in "
+             "args.items()}", "        return args",
+             ("tests/e2e/test_families.py", "-k", "gpt_oss and close")),
+    Mutation("expert-biases-dropped", "GPT-OSS's experts without their biases",
+             "vllm_ascend/ops/fused_moe/method.py",
+             "        biased = self.moe.has_bias", "        biased = False",
+             ("tests/ut/test_moe.py",)),
+    Mutation("swiglu-oai-gate-up-halves",
+             "GPT-OSS's clamped SwiGLU reads gate and up as halves, not interleaved columns",
+             "vllm_ascend/ops/fused_moe/method.py",
+             "lambda x: SwigluOAIAndMul.forward_native(_OAI, x)}",
+             "lambda x: SwigluOAIAndMul.forward_native(\n    _OAI, x.view(x.shape[0], 2, -1)"
+             ".transpose(1, 2).reshape(x.shape))}",
+             ("tests/ut/test_moe.py",)),
+    Mutation("simulated-sinks-ignored-in-decode",
+             "the simulator's FIA v2 drops the sinks of one-token queries (decode)",
+             "vllm_ascend/device/sim/ops.py", "        if sink is None:\n            probs = "
+             "scores.softmax(-1)", "        if True:\n            probs = scores.softmax(-1)",
+             ("tests/ut/test_sim_fia.py",)),
 ]
 
 
