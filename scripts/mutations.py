@@ -34,6 +34,8 @@ class Mutation:
     tests: tuple[str, ...]  # pytest arguments: the tests that should catch it
 
 
+# The step's FIA arguments in AscendAttentionImpl.step_args, one a line at this indent.
+ARGS_INDENT = " " * 38
 # W8A8's folded bias, added on the first rank of a row-parallel split only.
 STATIC_BIAS = ("        quant_bias = layer.quant_bias if self.is_first_rank_of_row_split(layer) "
                "else None")
@@ -52,18 +54,18 @@ MUTATIONS = [
              ("tests/e2e/test_full_graphs.py",)),
     Mutation("fia-kv-lengths-not-updated", "a FULL replay attends over the capture's KV lengths",
              "vllm_ascend/attention/backend.py",
-             "                    actual_seq_lengths=metadata.actual_seq_lengths_q,\n"
-             "                    actual_seq_lengths_kv=metadata.seq_lens_list)",
-             "                    actual_seq_lengths=metadata.actual_seq_lengths_q)",
+             ARGS_INDENT + "actual_seq_lengths=metadata.actual_seq_lengths_q,\n"
+             + ARGS_INDENT + "actual_seq_lengths_kv=metadata.seq_lens_list))",
+             ARGS_INDENT + "actual_seq_lengths=metadata.actual_seq_lengths_q))",
              ("tests/e2e/test_full_graphs.py",)),
     # (Not re-issuing the block table changes nothing: it lives in the runner's persistent
     # buffer, whose address the captured call reads, on a chip as here.)
     Mutation("fia-query-lengths-not-updated",
              "a mixed FULL replay splits the tokens into the capture's requests",
              "vllm_ascend/attention/backend.py",
-             "        args = dict(block_table=metadata.block_table,\n"
-             "                    actual_seq_lengths=metadata.actual_seq_lengths_q,\n",
-             "        args = dict(block_table=metadata.block_table,\n",
+             "        return self.in_fia_names(dict(block_table=metadata.block_table,\n"
+             + ARGS_INDENT + "actual_seq_lengths=metadata.actual_seq_lengths_q,\n",
+             "        return self.in_fia_names(dict(block_table=metadata.block_table,\n",
              ("tests/e2e/test_full_graphs.py",)),
     Mutation("padding-query-starts-off-by-one",
              "the padded requests' cumulative query lengths miss the graph's token count",
@@ -196,19 +198,20 @@ MUTATIONS = [
     Mutation("qk-rope-merge-k-heads-shifted",
              "the merged q|k rotation hands k's heads out shifted by one",
              "vllm_ascend/compilation/passes.py",
-             "                rotated, (slice(None), slice(None), slice(q_size // head, None)))),))",
+             "                rotated, (slice(None), slice(None), "
+             "slice(q_size // head, None)))),))",
              "                rotated, (slice(None), slice(None), "
              "slice(q_size // head - 1, -1)))),))",
              ("tests/e2e/test_fusion_passes.py",)),
     Mutation("attention-sinks-dropped", "GPT-OSS attends without its sinks (FIA v2 without "
              "learnable_sink)", "vllm_ascend/attention/backend.py",
-             '| {"learnable_sink": self.sinks}', '| {"learnable_sink": None}',
+             '{"learnable_sink": self.sinks}', '{"learnable_sink": None}',
              ("tests/e2e/test_families.py", "-k", "gpt_oss and close")),
     Mutation("sinks-replayed-with-v1-names",
              "a FULL replay re-issues a layer with sinks under FIA v1's keyword names",
              "vllm_ascend/attention/backend.py",
-             "        return args if self.sinks is None else {V2_NAMES.get(k, k): v for k, v in "
-             "args.items()}", "        return args",
+             "        return self.in_fia_names(dict(block_table=metadata.block_table,",
+             "        return (dict(block_table=metadata.block_table,",
              ("tests/e2e/test_families.py", "-k", "gpt_oss and close")),
     Mutation("expert-biases-dropped", "GPT-OSS's experts without their biases",
              "vllm_ascend/ops/fused_moe/method.py",

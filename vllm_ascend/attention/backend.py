@@ -150,14 +150,20 @@ class AscendAttentionImpl(AttentionImpl):
         self.mask_args = fia_mask_args(sliding_window)
         # Layers with sinks (GPT-OSS) run FIA v2 with learnable_sink, as upstream; others v1.
         self.sinks = sinks
-        self.fia = (torch_npu.npu_fused_infer_attention_score if sinks is None
-                    else torch_npu.npu_fused_infer_attention_score_v2)
+        self.fia, self.fia_workspace = (
+            (torch_npu.npu_fused_infer_attention_score,
+             torch_npu._npu_fused_infer_attention_score_get_max_workspace) if sinks is None else
+            (torch_npu.npu_fused_infer_attention_score_v2,
+             torch_npu._npu_fused_infer_attention_score_v2_get_max_workspace))
+
+    def in_fia_names(self, args: dict) -> dict:
+        """Keywords written in v1's names, in this layer's FIA's."""
+        return args if self.sinks is None else {V2_NAMES.get(k, k): v for k, v in args.items()}
 
     def fia_args(self, args: dict) -> dict:
-        """FIA's keywords, written in v1's names, for this layer's FIA."""
-        if self.sinks is None:
-            return args
-        return {V2_NAMES.get(k, k): v for k, v in args.items()} | {"learnable_sink": self.sinks}
+        """FIA's keywords, written in v1's names, for this layer's FIA (with its sinks)."""
+        sinks = {} if self.sinks is None else {"learnable_sink": self.sinks}
+        return self.in_fia_names(args) | sinks
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         if kv_cache is None or kv_cache.numel() == 0:
@@ -202,21 +208,18 @@ class AscendAttentionImpl(AttentionImpl):
 
     def step_args(self, metadata: AscendMetadata) -> dict:
         """What a FULL replay re-issues: the step's host lists and block table."""
-        args = dict(block_table=metadata.block_table,
-                    actual_seq_lengths=metadata.actual_seq_lengths_q,
-                    actual_seq_lengths_kv=metadata.seq_lens_list)
-        return args if self.sinks is None else {V2_NAMES.get(k, k): v for k, v in args.items()}
+        return self.in_fia_names(dict(block_table=metadata.block_table,
+                                      actual_seq_lengths=metadata.actual_seq_lengths_q,
+                                      actual_seq_lengths_kv=metadata.seq_lens_list))
 
     def _capture_fia(self, query, out, fia_args) -> None:
         """Upstream's FULL-graph protocol (graph_params.GraphParams.capture), with the .out call
         and a workspace that serve any lengths; everything by keyword, as upstream."""
         fia_args = dict({"pre_tokens": NO_BAND, "next_tokens": NO_BAND}, **fia_args,
                         query=query)
-        max_workspace = (torch_npu._npu_fused_infer_attention_score_get_max_workspace
-                         if self.sinks is None else
-                         torch_npu._npu_fused_infer_attention_score_v2_get_max_workspace)
         get_forward_context().no_compile_layers[GRAPH_STATE].fia.capture(
-            self.fia.out, (), fia_args, out, lambda: max_workspace(**fia_args), self.step_args)
+            self.fia.out, (), fia_args, out, lambda: self.fia_workspace(**fia_args),
+            self.step_args)
 
 
 class AscendAttentionBackend(AttentionBackend):
