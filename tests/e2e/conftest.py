@@ -192,7 +192,15 @@ def engine(model: str, multiprocess: bool = False, **kwargs):
                 max_num_seqs=16, gpu_memory_utilization=0.3)
     args.update(kwargs)
     with in_process(multiprocess):
-        llm = LLM(model, **args)
+        try:
+            llm = LLM(model, **args)
+        except BaseException:
+            # An engine refused at start-up here leaves vLLM's parallel groups behind (its own
+            # process would have exited): drop them, or the next engine of this process reuses
+            # groups made for another model (a MoE model then finds no EP group).
+            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+            cleanup_dist_env_and_memory()
+            raise
         try:
             llm.ascend_summary = cells.note_engine(llm.collective_rpc("summary")[0])
             yield llm
