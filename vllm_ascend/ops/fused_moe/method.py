@@ -95,9 +95,9 @@ def log_layout(model: torch.nn.Module) -> None:
 
 # The experts' activations, as upstream's unquant_apply_mlp runs them: SwiGLU in one kernel;
 # GPT-OSS's clamped SwiGLU on interleaved gate/up columns through vLLM's torch version.
+_OAI = type("SwigluOAIParams", (), dict(alpha=1.702, limit=7.0))  # vLLM's fixed values
 ACTIVATIONS = {MoEActivation.SILU: lambda x: torch_npu.npu_swiglu(x),
                MoEActivation.SWIGLUOAI: lambda x: SwigluOAIAndMul.forward_native(_OAI, x)}
-_OAI = type("SwigluOAIParams", (), dict(alpha=1.702, limit=7.0))  # vLLM's fixed values
 # npu_grouped_matmul's bias dtype for its x's (torch_npu's table: float16 with float16,
 # float32 with bfloat16)
 GMM_BIAS_DTYPE = {torch.bfloat16: torch.float32}
