@@ -179,3 +179,93 @@ def test_captured_routing_follows_the_replayed_logits():
     torch.testing.assert_close(out.float(), reference(new_x, new_logits, w13, w2, True),
                                atol=3e-2, rtol=3e-2)
     graph.reset()
+
+
+def _deepseek_v3_router(experts=16, groups=4, chosen=2, top_k=4, scale=2.5, seed=0):
+    """HF's DeepSeek-V3 router (transformers' DeepseekV3TopkRouter) with random weights and a
+    random correction bias, and a batch of hidden states."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    config = DeepseekV3Config(hidden_size=HIDDEN, n_routed_experts=experts, n_group=groups,
+                              topk_group=chosen, num_experts_per_tok=top_k,
+                              routed_scaling_factor=scale, norm_topk_prob=True)
+    router = DeepseekV3TopkRouter(config)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(experts, HIDDEN, generator=g))
+        router.e_score_correction_bias.copy_(torch.randn(experts, generator=g) * 0.3)
+    return router, torch.randn(32, HIDDEN, generator=g)
+
+
+def _by_expert(weights, ids):
+    """Each token's (expert, weight) pairs in expert order: the choice, whatever its order."""
+    order = ids.long().argsort(-1)
+    return ids.long().gather(1, order), weights.float().gather(1, order)
+
+
+def test_grouped_sigmoid_gating_is_deepseek_v3s_router():
+    """npu_moe_gating_top_k with sigmoid scores (norm_type 1), the bias and the group choice by
+    the top-two sum (mode 1) chooses HF's experts with HF's weights: normalised, times the
+    routed scaling factor; the bias in the choice only."""
+    router, h = _deepseek_v3_router()
+    logits, hf_weights, hf_ids = router(h)
+    with torch.no_grad():
+        weights, ids, norm_out = torch_npu.npu_moe_gating_top_k(
+            logits, k=4, bias=router.e_score_correction_bias, k_group=2, group_count=4,
+            group_select_mode=1, renorm=0, norm_type=1, out_flag=False,
+            routed_scaling_factor=2.5, eps=1e-20)
+    assert ids.dtype == torch.int32 and weights.dtype == logits.dtype
+    hf_ids, hf_weights = _by_expert(hf_weights.detach(), hf_ids)
+    ids, weights = _by_expert(weights, ids)
+    assert torch.equal(ids, hf_ids)
+    torch.testing.assert_close(weights, hf_weights)
+    assert norm_out.numel() == 0  # normOut only with out_flag
+    # the bias changes the choice here: the same call without it chooses other experts
+    unbiased = torch_npu.npu_moe_gating_top_k(logits.detach(), k=4, k_group=2, group_count=4,
+                                              group_select_mode=1, norm_type=1)[1]
+    assert not torch.equal(_by_expert(weights, unbiased)[0], ids)
+
+
+def test_grouped_softmax_gating_takes_each_groups_best():
+    """Softmax scores (norm_type 0) with groups scored by their best expert (mode 0): DeepSeek-V2's
+    group-limited greedy routing, as vLLM's grouped_topk computes it without a bias; the weights
+    are the softmax probabilities, not normalised by the operator."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(32, 16, generator=g) * 2
+    probs = torch.softmax(logits, -1)
+    best = probs.view(32, 4, 4).amax(-1).topk(2, -1).indices
+    allowed = torch.zeros(32, 4, dtype=torch.bool).scatter_(1, best, True)
+    ref_weights, ref_ids = probs.masked_fill(~allowed.repeat_interleave(4, 1), 0).topk(3, -1)
+    weights, ids, _ = torch_npu.npu_moe_gating_top_k(logits, k=3, k_group=2, group_count=4,
+                                                     group_select_mode=0, norm_type=0)
+    assert torch.equal(*(_by_expert(w, i)[0] for w, i in ((weights, ids), (ref_weights, ref_ids))))
+    torch.testing.assert_close(_by_expert(weights, ids)[1], _by_expert(ref_weights, ref_ids)[1])
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(bias=torch.zeros(16, dtype=torch.bfloat16)), "bias must be 1-D of the expert num 16 "
+     "in x's dtype torch.float32"),
+    (dict(bias=torch.zeros(8)), "bias must be 1-D of the expert num 16"),
+    (dict(renorm=1), "renorm only supports 0"),
+    (dict(norm_type=2), "norm_type"),
+    (dict(group_count=3), "divisible by group_count 3"),
+    (dict(group_count=8, k_group=4), "more than 2 experts"),  # 2 per group
+    (dict(k_group=5), r"1 <= k_group \(5\) <= group_count"),
+    (dict(k=9), r"1 <= k \(9\) <= min\(32, k_group \* experts / group_count = 8\)"),
+])
+def test_grouped_gating_checks(change, match):
+    args = dict(k=4, bias=torch.zeros(16), k_group=2, group_count=4, group_select_mode=1,
+                norm_type=1)
+    args.update(change)
+    with pytest.raises(AscendOpError, match=match):
+        torch_npu.npu_moe_gating_top_k(torch.zeros(3, 16), **args)
+
+
+def test_grouped_gating_limits():
+    with pytest.raises(AscendOpError, match="at most 2048"):
+        torch_npu.npu_moe_gating_top_k(torch.zeros(1, 4096), k=4)
+    with pytest.raises(AscendOpError, match=r"min\(32"):
+        torch_npu.npu_moe_gating_top_k(torch.zeros(1, 256), k=33, group_count=8, k_group=8)
+    with pytest.raises(AscendOpError, match="aligned to 32"):  # 40 per group: 64 x 40 > 2048
+        torch_npu.npu_moe_gating_top_k(torch.zeros(1, 1600), k=4, group_count=40, k_group=4)

@@ -162,6 +162,7 @@ def npu_transpose_batchmatmul(input, weight, *, bias=None, scale=None, perm_x1=N
 
 
 npu_moe_gating_top_k_softmax = torch.ops.ascend_sim.npu_moe_gating_top_k_softmax
+npu_moe_gating_top_k = torch.ops.ascend_sim.npu_moe_gating_top_k
 npu_moe_init_routing_v2 = torch.ops.ascend_sim.npu_moe_init_routing_v2
 npu_moe_token_unpermute = torch.ops.ascend_sim.npu_moe_token_unpermute
 _GMM_QUANT = ("scale", "offset", "antiquant_scale", "antiquant_offset", "per_token_scale",

@@ -1,6 +1,7 @@
 """The simulator's mixture-of-experts operators, as upstream vllm-ascend's all-gather MoE path
 calls them (ops/fused_moe/token_dispatcher.py ``TokenDispatcherWithAllGather``, moe_mlp.py
-``unquant_apply_mlp``, device/device_op.py): gating top-k, routing, grouped matmul, unpermute.
+``unquant_apply_mlp``, device/device_op.py): gating top-k (softmax, and grouped with a
+correction bias), routing, grouped matmul, unpermute.
 docs/torch_npu_calls.md holds each contract and its source. Unquantized, dropless
 (``drop_pad_mode=0``) only: anything else is refused by name, not ignored.
 
@@ -25,6 +26,10 @@ def _error(op):
 
 
 _lib.define("npu_moe_gating_top_k_softmax(Tensor x, Tensor? finished=None, int k=1) "
+            "-> (Tensor, Tensor, Tensor)")
+_lib.define("npu_moe_gating_top_k(Tensor x, int k, *, Tensor? bias=None, int k_group=1, "
+            "int group_count=1, int group_select_mode=0, int renorm=0, int norm_type=0, "
+            "bool out_flag=False, float routed_scaling_factor=1.0, float eps=1e-20) "
             "-> (Tensor, Tensor, Tensor)")
 _lib.define("npu_moe_init_routing_v2(Tensor x, Tensor expert_idx, *, Tensor? scale=None, "
             "Tensor? offset=None, int active_num=-1, int expert_capacity=-1, int expert_num=-1, "
@@ -56,6 +61,66 @@ def _gating_impl(x, finished=None, k=1):
     row_idx = torch.arange(rows * k, dtype=torch.int32).view(k, rows).t().reshape(
         *x.shape[:-1], k)
     return y.to(x.dtype), expert_idx.to(torch.int32), row_idx.contiguous()
+
+
+# npu_moe_gating_top_k's limits (torch_npu's API reference of the op): at most 2048 experts; per
+# group more than 2, and the group size aligned up to 32 times the group count at most 2048;
+# k at most 32 (the A2/A3 range in torch_npu 7.0's reference, the stricter of its two versions).
+GATING_MAX_EXPERTS = 2048
+GATING_MAX_K = 32
+
+
+def _gating_groups_impl(x, k, *, bias=None, k_group=1, group_count=1, group_select_mode=0,
+                        renorm=0, norm_type=0, out_flag=False, routed_scaling_factor=1.0,
+                        eps=1e-20):
+    """Scores (softmax: norm_type 0, sigmoid: 1), plus the bias for the choice only; with
+    group_count > 1, the k_group groups of the best score (the group's max: mode 0, or the sum of
+    its top two: mode 1) are the only candidates; the top k of those, weighted by their scores
+    without the bias, normalised in sigmoid mode (y / (sum + eps)), then times
+    routed_scaling_factor: the formula and reference code of torch_npu's API reference."""
+    error = _error("npu_moe_gating_top_k")
+    if x.dim() != 2 or x.dtype not in FLOATS:
+        raise error(PARAM_INVALID, f"x must be 2-D float16/bfloat16/float32, got {x.dim()}-D "
+                    f"{x.dtype}")
+    experts = x.shape[-1]
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != experts or
+                             bias.dtype != x.dtype):
+        raise error(PARAM_INVALID, f"bias must be 1-D of the expert num {experts} in x's dtype "
+                    f"{x.dtype}, got {bias.dim()}-D {list(bias.shape)} {bias.dtype}")
+    if renorm != 0:
+        raise error(PARAM_INVALID, f"renorm only supports 0, got {renorm}")
+    if norm_type not in (0, 1) or group_select_mode not in (0, 1):
+        raise error(PARAM_INVALID, f"norm_type ({norm_type}) and group_select_mode "
+                    f"({group_select_mode}) must each be 0 or 1")
+    if experts > GATING_MAX_EXPERTS or group_count <= 0 or experts % group_count:
+        raise error(TILING_ERROR, f"the expert num {experts} must be at most "
+                    f"{GATING_MAX_EXPERTS} and divisible by group_count {group_count}")
+    per_group = experts // group_count
+    if per_group <= 2 or -(-per_group // 32) * 32 * group_count > GATING_MAX_EXPERTS:
+        raise error(TILING_ERROR, f"each of the {group_count} groups must hold more than 2 "
+                    f"experts, and its size aligned to 32 times group_count at most "
+                    f"{GATING_MAX_EXPERTS}; got {per_group} per group")
+    if not 1 <= k_group <= group_count or not 1 <= k <= min(GATING_MAX_K, k_group * per_group):
+        raise error(TILING_ERROR, f"need 1 <= k_group ({k_group}) <= group_count "
+                    f"({group_count}) and 1 <= k ({k}) <= min({GATING_MAX_K}, k_group * "
+                    f"experts / group_count = {k_group * per_group})")
+    scores = torch.softmax(x.float(), -1) if norm_type == 0 else torch.sigmoid(x.float())
+    choice = scores if bias is None else scores + bias.float()
+    if group_count > 1:
+        grouped = choice.view(-1, group_count, per_group)
+        group_score = (grouped.amax(-1) if group_select_mode == 0 else
+                       grouped.topk(2, dim=-1).values.sum(-1))
+        keep = torch.sort(group_score, dim=-1, descending=True, stable=True).indices[:, :k_group]
+        mask = torch.ones_like(group_score, dtype=torch.bool).scatter_(1, keep, False)
+        choice = grouped.masked_fill(mask.unsqueeze(-1), float("-inf")).view(-1, experts)
+    expert_idx = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :k]
+    y = scores.gather(1, expert_idx)
+    if norm_type == 1:
+        y = y / (y.sum(-1, keepdim=True) + eps)
+    y = y * routed_scaling_factor
+    # normOut only with out_flag; otherwise an empty tensor, so a reader fails
+    out = scores if out_flag else scores.new_empty(0)
+    return y.to(x.dtype), expert_idx.to(torch.int32), out
 
 
 def _routing_impl(x, expert_idx, *, scale=None, offset=None, active_num=-1, expert_capacity=-1,
@@ -177,6 +242,7 @@ def _unpermute_impl(permuted_tokens, sorted_indices, probs=None, padded_mode=Fal
 
 _lib.impl("npu_moe_gating_top_k_softmax",
           kernel("npu_moe_gating_top_k_softmax", _gating_impl), "CPU")
+_lib.impl("npu_moe_gating_top_k", kernel("npu_moe_gating_top_k", _gating_groups_impl), "CPU")
 _lib.impl("npu_moe_init_routing_v2", kernel("npu_moe_init_routing_v2", _routing_impl), "CPU")
 _lib.impl("npu_grouped_matmul", kernel("npu_grouped_matmul", _grouped_matmul_impl), "CPU")
 _lib.impl("npu_moe_token_unpermute", kernel("npu_moe_token_unpermute", _unpermute_impl), "CPU")
