@@ -52,24 +52,76 @@ def test_each_ep_rank_holds_one_contiguous_range_of_experts():
         expert_range(round_robin, 4)
 
 
-def test_a_routing_the_layer_does_not_build_fails_at_load_naming_the_layer():
+def _router_layer(**changes):
     from types import SimpleNamespace
 
     from vllm.model_executor.layers.fused_moe import MoEActivation
 
+    deepseek_v3 = dict(
+        layer_name="model.layers.3.mlp.experts", scoring_func="sigmoid", use_grouped_topk=True,
+        num_expert_group=8, topk_group=4, top_k=8, global_num_experts=256, renormalize=True,
+        custom_routing_function=None, e_score_correction_bias=object(),
+        apply_router_weight_on_input=False, activation=MoEActivation.SILU)
+    return SimpleNamespace(**{**deepseek_v3, **changes})
+
+
+def test_the_routers_of_deepseek_v3_glm_and_kimi_are_built():
+    from vllm_ascend.ops.fused_moe.router import grouped, routing_problems
+
+    for layer in (_router_layer(),  # DeepSeek-V3/R1: 256 experts, 8 groups, top-4 groups
+                  _router_layer(num_expert_group=1, topk_group=1, global_num_experts=160),  # GLM
+                  _router_layer(num_expert_group=1, topk_group=1, global_num_experts=384)):  # K2
+        assert grouped(layer) and routing_problems(layer) == []
+    v2_lite = _router_layer(scoring_func="softmax", num_expert_group=1, topk_group=1,
+                            e_score_correction_bias=None, global_num_experts=64, top_k=6)
+    assert not grouped(v2_lite) and routing_problems(v2_lite) == []
+
+
+def test_a_sigmoid_router_is_hfs_deepseek_v3_router():
+    """route() on a DeepSeek-V3 layer (sigmoid scores, the correction bias, 2 of 4 groups, a
+    routed scaling factor the layer applies itself) chooses HF's experts with HF's weights."""
+    import torch
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    from vllm_ascend.ops.fused_moe.router import route
+
+    config = DeepseekV3Config(hidden_size=32, n_routed_experts=16, n_group=4, topk_group=2,
+                              num_experts_per_tok=4, routed_scaling_factor=2.5)
+    hf = DeepseekV3TopkRouter(config)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        hf.weight.copy_(torch.randn(16, 32, generator=g))
+        hf.e_score_correction_bias.copy_(torch.randn(16, generator=g) * 0.3)
+        logits, hf_weights, hf_ids = hf(torch.randn(24, 32, generator=g))
+    layer = _router_layer(num_expert_group=4, topk_group=2, top_k=4, global_num_experts=16,
+                          routed_scaling_factor=2.5,
+                          e_score_correction_bias=hf.e_score_correction_bias)
+    weights, ids = route(layer, logits)
+    order, hf_order = ids.long().argsort(-1), hf_ids.argsort(-1)
+    assert torch.equal(ids.long().gather(1, order), hf_ids.gather(1, hf_order))
+    torch.testing.assert_close(weights.gather(1, order), hf_weights.gather(1, hf_order))
+
+
+def test_a_routing_the_layer_does_not_build_fails_at_load_naming_the_layer():
+    from types import SimpleNamespace
+
     from vllm_ascend.ops.fused_moe.method import AscendUnquantizedFusedMoEMethod
 
-    deepseek_like = SimpleNamespace(
-        layer_name="model.layers.3.mlp.experts", scoring_func="sigmoid", use_grouped_topk=True,
-        num_expert_group=8, custom_routing_function=None, e_score_correction_bias=object(),
-        apply_router_weight_on_input=False, activation=MoEActivation.SILU)
+    llama4_like = _router_layer(renormalize=False, custom_routing_function=lambda *a: a,
+                                use_grouped_topk=False, global_num_experts=16, top_k=1,
+                                e_score_correction_bias=None)
     method = SimpleNamespace(moe=SimpleNamespace(has_bias=False))
     with pytest.raises(ValueError, match=(
-            r"model.layers.3.mlp.experts: vllm-ascend's MoE layer routes by softmax top-k to "
-            r"SwiGLU experts \(Qwen2-MoE, Qwen3-MoE, DeepSeek-V2, GPT-OSS\); this model uses "
-            r"sigmoid scores, grouped top-k, a score-correction bias, which it does not build "
-            r"yet")):
-        AscendUnquantizedFusedMoEMethod.process_weights_after_loading(method, deepseek_like)
+            r"model.layers.3.mlp.experts: vllm-ascend's MoE layer routes by softmax top-k, or by "
+            r"sigmoid or softmax scores over expert groups with a correction bias, to SwiGLU "
+            r"experts \(Qwen2/3-MoE, DeepSeek-V2/V3, GLM-4.5, GPT-OSS\); this model uses "
+            r"sigmoid scores without renormalisation, a custom routing function, which it does "
+            r"not build")):
+        AscendUnquantizedFusedMoEMethod.process_weights_after_loading(method, llama4_like)
+    too_many = _router_layer(num_expert_group=1, topk_group=1, global_num_experts=4096)
+    with pytest.raises(ValueError, match="4096 experts in 1 groups with top-8 of 1 groups"):
+        AscendUnquantizedFusedMoEMethod.process_weights_after_loading(method, too_many)
 
 
 E, H, INTER, TOP_K = 8, 16, 8, 2
@@ -119,7 +171,8 @@ def _layer_experts(x, logits, renormalize, first=0, last=E, scale=1.0, biases=No
     w13, w2 = _weights()
     layer = SimpleNamespace(
         top_k=TOP_K, renormalize=renormalize, global_num_experts=E, routed_scaling_factor=scale,
-        ascend_expert_range=(first, last),
+        ascend_expert_range=(first, last), scoring_func="softmax", use_grouped_topk=False,
+        e_score_correction_bias=None,
         activation=MoEActivation.SWIGLUOAI if biases else MoEActivation.SILU,
         w13_weight=w13[first:last].transpose(1, 2).contiguous().to(torch.bfloat16),
         w2_weight=w2[first:last].transpose(1, 2).contiguous().to(torch.bfloat16))

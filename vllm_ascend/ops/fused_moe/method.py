@@ -20,6 +20,7 @@ from vllm_ascend import device
 from vllm_ascend.device import torch_npu
 from vllm_ascend.logger import get_logger
 from vllm_ascend.ops.fused_moe.comm import chip_generation, select_moe_comm
+from vllm_ascend.ops.fused_moe.router import route, routing_problems
 
 logger = get_logger(__name__)
 
@@ -108,7 +109,7 @@ class AscendUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
 
     @property
     def is_monolithic(self) -> bool:
-        return True  # routes from the router logits itself (npu_moe_gating_top_k_softmax)
+        return True  # routes from the router logits itself (router.py)
 
     @property
     def supports_internal_mk(self) -> bool:
@@ -121,20 +122,15 @@ class AscendUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
                 "the experts are stored transposed in new memory after loading, which the "
                 "captured graphs read, and a reload would leave them reading the old experts "
                 "(docs/moe.md). Start a new engine on the new checkpoint instead.")
-        unsupported = [name for name, used in (
-            (f"{layer.scoring_func} scores", layer.scoring_func != "softmax"),
-            # DeepSeek-V2 routes with grouped top-k over one group: plain top-k.
-            ("grouped top-k", layer.use_grouped_topk and (layer.num_expert_group or 1) > 1),
-            ("a custom routing function", layer.custom_routing_function is not None),
-            ("a score-correction bias", layer.e_score_correction_bias is not None),
-            ("router weights applied to the input", layer.apply_router_weight_on_input),
-            (f"{layer.activation.value} experts", layer.activation not in ACTIVATIONS)) if used]
+        unsupported = routing_problems(layer) + [
+            f"{layer.activation.value} experts"] * (layer.activation not in ACTIVATIONS)
         if unsupported:
             raise ValueError(
-                f"{layer.layer_name}: vllm-ascend's MoE layer routes by softmax top-k to SwiGLU "
-                f"experts (Qwen2-MoE, Qwen3-MoE, DeepSeek-V2, GPT-OSS); this model uses "
-                f"{', '.join(unsupported)}, which it does not build yet (docs/moe.md). Serve "
-                "one of those families.")
+                f"{layer.layer_name}: vllm-ascend's MoE layer routes by softmax top-k, or by "
+                "sigmoid or softmax scores over expert groups with a correction bias, to SwiGLU "
+                "experts (Qwen2/3-MoE, DeepSeek-V2/V3, GLM-4.5, GPT-OSS); this model uses "
+                f"{', '.join(unsupported)}, which it does not build (docs/moe.md). Serve one of "
+                "those families.")
         super().process_weights_after_loading(layer)  # the OOT backend keeps the weights as is
         # npu_grouped_matmul multiplies [M, K] by [E, K, N]: store the experts' weights
         # transposed (in place of vLLM's [E, N, K]), once, as upstream does after loading.
@@ -165,14 +161,7 @@ class AscendUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
 
     def _experts(self, layer, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         top_k = layer.top_k
-        topk_weights, topk_ids, _ = torch_npu.npu_moe_gating_top_k_softmax(router_logits,
-                                                                           k=top_k)
-        if layer.renormalize:  # Qwen3-MoE's norm_topk_prob
-            topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
-        # A model that leaves the routed scale to the experts. (DeepSeek-V2/V3 in vLLM 0.32 pass
-        # 1.0 here and have vLLM's MoE runner scale the output: test_mla.py's bfloat16 case.)
-        if layer.routed_scaling_factor != 1.0:
-            topk_weights = topk_weights * layer.routed_scaling_factor
+        topk_weights, topk_ids = route(layer, router_logits)
         first, last = layer.ascend_expert_range
         if last - first < layer.global_num_experts:
             # Another rank computes the tokens routed to its experts: weigh them 0 here.
