@@ -79,9 +79,29 @@ TINY_FAMILIES = {
         "n_shared_experts": 1, "moe_intermediate_size": 64, "n_group": 1, "topk_group": 1,
         # the routed experts' weight, as DeepSeek-V2's own (16.0) is not 1: the path runs
         "routed_scaling_factor": 2.5}),
-    # DeepSeek-V3, dense (its MoE routes by sigmoid over expert groups, which vllm-ascend does
-    # not build yet), with a query LoRA and one MTP layer (model.layers.2.*, as V3's checkpoints
-    # carry it) for vLLM's "mtp" speculative method.
+    # DeepSeek-V3 as published: MLA with a query LoRA, then an MoE layer routed by noaux_tc
+    # (sigmoid scores plus a correction bias for the choice, the best 2 of 4 expert groups by
+    # the sum of their top two, top-4 of 16 experts, renormalised, times 2.5) and a shared
+    # expert. The checkpoint's config names topk_method, as V3's does: vLLM keys the bias on it.
+    # (No MTP layer: saved through save_pretrained, each expert's weights in tensors of their
+    # own, as published.)
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", {
+        "num_key_value_heads": 4, "kv_lora_rank": 512, "q_lora_rank": 64,
+        "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
+        "first_k_dense_replace": 1, "n_routed_experts": 16, "num_experts_per_tok": 4,
+        "n_shared_experts": 1, "moe_intermediate_size": 64, "n_group": 4, "topk_group": 2,
+        "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5, "num_nextn_predict_layers": 0}),
+    # GLM-4.5's MoE: the same router over one group (as GLM-4.5 deploys it), GQA attention with
+    # a partial rotary of 16 (of 32) and q/k norms, a dense first layer and a shared expert.
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", {
+        "head_dim": 32, "partial_rotary_factor": 0.5, "use_qk_norm": True,
+        "first_k_dense_replace": 1, "n_routed_experts": 16, "num_experts_per_tok": 4,
+        "n_shared_experts": 1, "moe_intermediate_size": 64, "n_group": 1, "topk_group": 1,
+        "norm_topk_prob": True, "routed_scaling_factor": 2.5, "pad_token_id": 0,
+        "num_nextn_predict_layers": 0}),
+    # DeepSeek-V3, dense (its MoE layers: deepseek_v3 above), with a query LoRA and one MTP
+    # layer (model.layers.2.*, as V3's checkpoints carry it) for vLLM's "mtp" speculative method.
     "deepseek_v3_mtp": ("DeepseekV3Config", "DeepseekV3ForCausalLM", {
         "num_key_value_heads": 4, "kv_lora_rank": 512, "q_lora_rank": 64,
         "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
@@ -97,6 +117,12 @@ def _tokenizer_dir() -> pathlib.Path:
 
 
 LM_HEAD_SCALE = 8.0
+# Router weights' spread per family (else 1.0): GLM-4.5's sigmoid router picks its top-4 of 16
+# experts in one group, and with 1.0 the test prompts met routing near-ties (top-4 vs fifth
+# score gaps of 0.001-0.003, seeds 1234 and 1-5) that bfloat16 rounding flips, moving a logprob by
+# 2.8 in HF's own bfloat16 run. With 8.0 most scores saturate and the bias decides among them:
+# its smallest gap over the test prompts is 0.029 (scripts/models.py routing_gaps).
+ROUTER_STD = {"glm4_moe": 8.0}
 TINY_LAYERS = 2
 
 
@@ -135,9 +161,13 @@ def tiny_model_dir(family: str, dtype: str = "float32", seed: int = 1234) -> str
         # top expert dominates, so when a rounding swaps its second and third, which tie now
         # and then, the output barely moves; with flat routers such a swap moves the logprobs
         # by 0.3 and the comparison with HF fails for a reason that is not a bug.
-        for name, p in model.named_parameters():
+        for name, p in [*model.named_parameters(), *model.named_buffers()]:
             if name.endswith(("mlp.gate.weight", "mlp.router.weight")):
-                p.normal_(0, 1.0)
+                p.normal_(0, ROUTER_STD.get(family, 1.0))
+            if name.endswith("e_score_correction_bias"):
+                # A correction bias that changes the choice (HF starts it at zero): distinct
+                # values 0.05 apart, larger than the rounding of a sigmoid score.
+                p.copy_(torch.randperm(p.numel()).to(p.dtype).mul_(0.05).sub_(0.4))
             if name.endswith("self_attn.sinks"):
                 # Sinks of 0.5-3 against attention logits of about 1 take a good part of each
                 # row's softmax: without them the tests' first tokens differ.
@@ -493,3 +523,41 @@ def logit_gaps(path: str, prompts: list[str], max_tokens: int) -> list[list[floa
         gaps.append([(t[0] - t[1]).item() for t in top])
     return gaps
 
+
+def routing_gaps(path: str, prompts: list[str], max_tokens: int) -> list[float]:
+    """For a model with DeepSeek-V3's router (sigmoid scores plus the correction bias, top
+    groups, top-k): over HF's (fp32) greedy generation from each prompt, every MoE layer's
+    margin at every token between the last chosen and the first passed-over (group, then
+    expert) by the scores the choice is made on. A rounding smaller than it cannot flip it."""
+    import torch
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    gaps = []
+
+    def margins(router, args, _):
+        h = args[0].reshape(-1, router.weight.shape[1]).float()
+        choice = torch.sigmoid(h @ router.weight.float().t()) + router.e_score_correction_bias
+        groups, chosen, k = router.num_group, router.topk_group, router.top_k
+        grouped = choice.view(len(choice), groups, -1)
+        if groups > 1:
+            score = grouped.topk(2, -1).values.sum(-1)
+            ranked = score.sort(-1, descending=True).values
+            gaps.extend((ranked[:, chosen - 1] - ranked[:, chosen]).tolist())
+            dropped = torch.ones_like(score, dtype=torch.bool).scatter_(
+                1, score.topk(chosen, -1).indices, False)
+            choice = grouped.masked_fill(dropped[..., None], float("-inf")).view(len(h), -1)
+        ranked = choice.sort(-1, descending=True).values
+        gaps.extend((ranked[:, k - 1] - ranked[:, k]).tolist())
+
+    for module in model.modules():
+        if type(module).__name__.endswith("TopkRouter"):
+            module.register_forward_hook(margins)
+    for prompt in prompts:
+        ids = tok(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                                 pad_token_id=tok.pad_token_id or 0, eos_token_id=None)
+    return gaps

@@ -83,9 +83,30 @@ MUTATIONS = [
              "            for rope in self.step_ropes:\n                rope.update(positions)",
              "            pass", ("tests/e2e/test_graph_modes.py", "-k", "llama")),
     Mutation("moe-no-renormalisation", "Qwen3-MoE's top-k weights not renormalised",
-             "vllm_ascend/ops/fused_moe/method.py",
-             "        if layer.renormalize:  # Qwen3-MoE's norm_topk_prob",
-             "        if False:", ("tests/e2e/test_moe.py",)),
+             "vllm_ascend/ops/fused_moe/router.py",
+             "    if layer.renormalize:  # Qwen3-MoE's norm_topk_prob",
+             "    if False:", ("tests/e2e/test_moe.py",)),
+    Mutation("correction-bias-dropped", "GLM-4.5's and DeepSeek-V3's experts chosen without "
+             "the score-correction bias", "vllm_ascend/ops/fused_moe/router.py",
+             "            bias=None if bias is None else bias.to(router_logits.dtype),",
+             "            bias=None,", ("tests/e2e/test_families.py", "-k",
+                                        "glm4_moe and NONE and close_to_hf and not tp2")),
+    Mutation("expert-groups-ignored", "DeepSeek-V3's top-k taken over every expert, not the "
+             "best groups'", "vllm_ascend/ops/fused_moe/router.py",
+             "            k_group=chosen, group_count=groups,",
+             "            k_group=1, group_count=1,",
+             ("tests/e2e/test_families.py", "-k",
+              "deepseek_v3 and NONE and close_to_hf and not tp2")),
+    Mutation("sigmoid-routing-unscaled", "DeepSeek-V3's routed experts without "
+             "routed_scaling_factor", "vllm_ascend/ops/fused_moe/router.py",
+             "            routed_scaling_factor=scale if sigmoid else 1.0, eps=1e-20)",
+             "            routed_scaling_factor=1.0, eps=1e-20)",
+             # (vLLM 0.32's DeepSeek and GLM classes scale in their MoE runner instead)
+             ("tests/ut/test_moe.py",)),
+    Mutation("simulated-gating-weights-biased", "the simulator's grouped gating weighs the "
+             "experts by their biased scores", "vllm_ascend/device/sim/moe.py",
+             "    y = scores.gather(1, expert_idx)", "    y = choice.gather(1, expert_idx)",
+             ("tests/ut/test_sim_moe.py",)),
     Mutation("moe-ep-range-off-by-one", "an EP rank drops its first expert's tokens",
              "vllm_ascend/ops/fused_moe/method.py",
              "((topk_ids >= first) & (topk_ids < last))",

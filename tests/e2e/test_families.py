@@ -14,7 +14,8 @@ own: see FAMILIES). Most run through vLLM's own model classes, with no model fil
 Qwen2 and Qwen3 through their files (vllm_ascend/models/), the same matrix.
 
 GPT-OSS's attention sinks run on FIA v2 (learnable_sink), on a sliding layer and a full one,
-with YaRN RoPE and biased experts behind the clamped SwiGLU.
+with YaRN RoPE and biased experts behind the clamped SwiGLU. DeepSeek-V3 (MLA) and GLM-4.5's MoE
+(GQA) route by sigmoid scores with a correction bias, DeepSeek-V3 over expert groups.
 
 Families whose attention has no Ascend kernel here are refused while the engine starts (the
 model's layers are built before any weight loads), naming what is missing: Gemma-2's logit
@@ -53,6 +54,13 @@ FAMILIES = {
     # YaRN RoPE, experts with biases and the clamped SwiGLU.
     "gpt_oss": dict(dtype="bfloat16", block_size=16, prompts=PROMPTS + [LONG],
                     model_class="GptOssForCausalLM"),
+    # DeepSeek-V3's noaux_tc router (npu_moe_gating_top_k: sigmoid scores, a correction bias,
+    # the best 2 of 4 expert groups) behind MLA; GLM-4.5's (one group) behind GQA attention with
+    # a partial rotary and q/k norms. Both with a shared expert and a dense first layer.
+    "deepseek_v3": dict(dtype="bfloat16", block_size=128, prompts=PROMPTS,
+                        model_class="AscendDeepseekV3ForCausalLM"),
+    "glm4_moe": dict(dtype="bfloat16", block_size=128, prompts=PROMPTS,
+                     model_class="Glm4MoeForCausalLM"),
     "phi3": dict(dtype="float16", block_size=128, prompts=PROMPTS, model_class="Phi3ForCausalLM"),
     "granite": dict(dtype="float16", block_size=128, prompts=PROMPTS,
                     model_class="GraniteForCausalLM"),
