@@ -129,7 +129,7 @@ def test_the_chips_checks():
     with pytest.raises(AscendOpError, match="within x's 6 rows"):
         torch_npu.npu_grouped_matmul([x], [w13], split_item=2, group_type=0,
                                      group_list=torch.tensor([4, 4, 0, 0]), group_list_type=1)
-    with pytest.raises(NotImplementedError, match="unquantized only"):
+    with pytest.raises(AscendOpError, match="bfloat16 x takes no scale or per_token_scale"):
         torch_npu.npu_grouped_matmul([x], [w13], split_item=2, group_type=0,
                                      group_list=torch.tensor([6, 0, 0, 0]), group_list_type=1,
                                      scale=[torch.ones(4)])
@@ -269,3 +269,51 @@ def test_grouped_gating_limits():
         torch_npu.npu_moe_gating_top_k(torch.zeros(1, 256), k=33, group_count=8, k_group=8)
     with pytest.raises(AscendOpError, match="aligned to 32"):  # 40 per group: 64 x 40 > 2048
         torch_npu.npu_moe_gating_top_k(torch.zeros(1, 1600), k=4, group_count=40, k_group=4)
+
+
+def _int8_experts(seed=3):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(-128, 128, (TOKENS, HIDDEN), generator=g, dtype=torch.int8)
+    w = torch.randint(-128, 128, (EXPERTS, HIDDEN, INTER), generator=g, dtype=torch.int8)
+    scale = torch.rand(EXPERTS, INTER, generator=g) / 100
+    token_scale = torch.rand(TOKENS, generator=g) / 100
+    return x, w, scale, token_scale
+
+
+@pytest.mark.parametrize("scale_dtype,out_dtype", [(torch.bfloat16, torch.bfloat16),
+                                                   (torch.float32, torch.float16)])
+def test_per_token_quantized_grouped_matmul(scale_dtype, out_dtype):
+    """int8 x and weights: each group's exact int32 products times the weight scale of each
+    output channel and the token scale of each row, in the dtype the scale's dtype selects."""
+    x, w, scale, token_scale = _int8_experts()
+    counts = torch.tensor([2, 0, 3, 1])
+    (out,) = torch_npu.npu_grouped_matmul(
+        [x], [w], scale=[scale.to(scale_dtype)], per_token_scale=[token_scale], split_item=2,
+        group_type=0, group_list=counts, group_list_type=1, output_dtype=out_dtype)
+    expert = torch.repeat_interleave(torch.arange(EXPERTS), counts)
+    exact = torch.einsum("tk,tkn->tn", x.double(), w[expert].double())
+    ref = exact * scale.to(scale_dtype).double()[expert] * token_scale.double().unsqueeze(1)
+    assert out.dtype == out_dtype
+    torch.testing.assert_close(out.double(), ref.to(out_dtype).double())
+
+
+def test_per_token_quantized_grouped_matmul_checks():
+    x, w, scale, token_scale = _int8_experts()
+    counts = torch.tensor([2, 0, 3, 1])
+    args = dict(split_item=2, group_type=0, group_list=counts, group_list_type=1)
+    with pytest.raises(AscendOpError, match="a bfloat16 scale with output_dtype bfloat16 or a "
+                       "float32 scale with float16"):
+        torch_npu.npu_grouped_matmul([x], [w], scale=[scale.bfloat16()],
+                                     per_token_scale=[token_scale], output_dtype=torch.float16,
+                                     **args)
+    with pytest.raises(AscendOpError, match="scale must be"):
+        torch_npu.npu_grouped_matmul([x], [w], scale=[scale.bfloat16().flatten()],
+                                     per_token_scale=[token_scale], output_dtype=torch.bfloat16,
+                                     **args)
+    with pytest.raises(AscendOpError, match="per_token_scale must be float32"):
+        torch_npu.npu_grouped_matmul([x], [w], scale=[scale.bfloat16()],
+                                     per_token_scale=[token_scale.bfloat16()],
+                                     output_dtype=torch.bfloat16, **args)
+    with pytest.raises(NotImplementedError, match="per-token full quantization"):
+        torch_npu.npu_grouped_matmul([x], [w], scale=[scale.bfloat16()],
+                                     output_dtype=torch.bfloat16, **args)

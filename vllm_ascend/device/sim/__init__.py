@@ -165,23 +165,24 @@ npu_moe_gating_top_k_softmax = torch.ops.ascend_sim.npu_moe_gating_top_k_softmax
 npu_moe_gating_top_k = torch.ops.ascend_sim.npu_moe_gating_top_k
 npu_moe_init_routing_v2 = torch.ops.ascend_sim.npu_moe_init_routing_v2
 npu_moe_token_unpermute = torch.ops.ascend_sim.npu_moe_token_unpermute
-_GMM_QUANT = ("scale", "offset", "antiquant_scale", "antiquant_offset", "per_token_scale",
-              "activation_input", "activation_quant_scale", "activation_quant_offset")
+_GMM_QUANT = ("offset", "antiquant_scale", "antiquant_offset", "activation_input",
+              "activation_quant_scale", "activation_quant_offset")
 
 
-def npu_grouped_matmul(x, weight, *, bias=None, group_list=None, split_item=0, group_type=None,
-                       group_list_type=0, act_type=0, output_dtype=None, tuning_config=None,
-                       **quant):
+def npu_grouped_matmul(x, weight, *, bias=None, scale=None, per_token_scale=None,
+                       group_list=None, split_item=0, group_type=None, group_list_type=0,
+                       act_type=0, output_dtype=None, tuning_config=None, **quant):
     given = [name for name, value in quant.items() if value is not None]
     unknown = [name for name in quant if name not in _GMM_QUANT]
     if unknown:
         raise TypeError(f"npu_grouped_matmul() got an unexpected keyword argument '{unknown[0]}'")
-    if given or act_type or output_dtype is not None:
-        raise NotImplementedError(f"npu_grouped_matmul: {given or ['act_type/output_dtype']} "
-                                  "not simulated (unquantized only)")
+    if given or act_type:
+        raise NotImplementedError(f"npu_grouped_matmul: {given or ['act_type']} not simulated "
+                                  "(unquantized, or int8 with per-token scales, only)")
     return torch.ops.ascend_sim.npu_grouped_matmul(
-        x, weight, bias=bias, group_list=group_list, split_item=split_item,
-        group_type=group_type, group_list_type=group_list_type)
+        x, weight, bias=bias, scale=scale, per_token_scale=per_token_scale,
+        group_list=group_list, split_item=split_item, group_type=group_type,
+        group_list_type=group_list_type, output_dtype=output_dtype)
 
 
 npu_rms_norm = torch.ops.ascend_sim.npu_rms_norm

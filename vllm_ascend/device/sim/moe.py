@@ -3,7 +3,8 @@ calls them (ops/fused_moe/token_dispatcher.py ``TokenDispatcherWithAllGather``, 
 ``unquant_apply_mlp``, device/device_op.py): gating top-k (softmax, and grouped with a
 correction bias), routing, grouped matmul, unpermute.
 docs/torch_npu_calls.md holds each contract and its source. Unquantized, dropless
-(``drop_pad_mode=0``) only: anything else is refused by name, not ignored.
+(``drop_pad_mode=0``) only, plus the grouped matmul's per-token int8 quantization (upstream's
+W8A8_DYNAMIC experts): anything else is refused by name, not ignored.
 
 Where the chip leaves a value undefined (the rows of a grouped matmul's output past the routed
 tokens, ``expanded_x`` rows past the valid count), the simulator writes NaN, so a consumer that
@@ -38,8 +39,9 @@ _lib.define("npu_moe_init_routing_v2(Tensor x, Tensor expert_idx, *, Tensor? sca
             "int[] active_expert_range=[], int row_idx_type=0) "
             "-> (Tensor, Tensor, Tensor, Tensor)")
 _lib.define("npu_grouped_matmul(Tensor[] x, Tensor[] weight, *, Tensor[]? bias=None, "
-            "Tensor? group_list=None, int split_item=0, int? group_type=None, "
-            "int group_list_type=0) -> Tensor[]")
+            "Tensor[]? scale=None, Tensor[]? per_token_scale=None, Tensor? group_list=None, "
+            "int split_item=0, int? group_type=None, int group_list_type=0, "
+            "ScalarType? output_dtype=None) -> Tensor[]")
 _lib.define("npu_moe_token_unpermute(Tensor permuted_tokens, Tensor sorted_indices, "
             "Tensor? probs=None, bool padded_mode=False, int[]? restore_shape=None) -> Tensor")
 
@@ -170,17 +172,25 @@ def _routing_impl(x, expert_idx, *, scale=None, offset=None, active_num=-1, expe
     return expanded_x, expanded_row_idx, tokens, expanded_scale
 
 
-def _grouped_matmul_impl(x, weight, *, bias=None, group_list=None, split_item=0,
-                         group_type=None, group_list_type=0):
+# Per-token full quantization (int8 x and weights, a per-token scale): the scale's dtype picks
+# the output's (torch_npu's table for a group_list tensor on A2/A3).
+PER_TOKEN_OUTPUT = {torch.bfloat16: torch.bfloat16, torch.float32: torch.float16}
+
+
+def _grouped_matmul_impl(x, weight, *, bias=None, scale=None, per_token_scale=None,
+                         group_list=None, split_item=0, group_type=None, group_list_type=0,
+                         output_dtype=None):
     error = _error("npu_grouped_matmul")
     if len(x) != 1 or len(weight) != 1 or split_item not in (2, 3) or group_type != 0:
         raise NotImplementedError("npu_grouped_matmul: one x split along M (group_type=0), "
                                   "one 3-D weight and one output (split_item 2 or 3) are "
                                   "simulated, as upstream's MoE calls it")
     (h,), (w,) = x, weight
-    if h.dim() != 2 or w.dim() != 3 or h.dtype not in GMM_DTYPES or w.dtype != h.dtype:
-        raise error(PARAM_INVALID, f"x must be 2-D and weight 3-D (E, K, N), float16 or "
-                    f"bfloat16 alike; got {h.dim()}-D {h.dtype} and {w.dim()}-D {w.dtype}")
+    quantized = h.dtype == torch.int8
+    if h.dim() != 2 or w.dim() != 3 or w.dtype != h.dtype or \
+            h.dtype not in GMM_DTYPES + (torch.int8,):
+        raise error(PARAM_INVALID, f"x must be 2-D and weight 3-D (E, K, N), float16, bfloat16 "
+                    f"or int8 alike; got {h.dim()}-D {h.dtype} and {w.dim()}-D {w.dtype}")
     if w.shape[1] != h.shape[1]:
         raise error(TILING_ERROR, f"x's K {h.shape[1]} differs from weight's {w.shape[1]}")
     if group_list is None or group_list.dim() != 1 or group_list.dtype != torch.int64 or \
@@ -196,6 +206,15 @@ def _grouped_matmul_impl(x, weight, *, bias=None, group_list=None, split_item=0,
     if min(sizes, default=0) < 0 or sum(sizes) > h.shape[0]:
         raise error(TILING_ERROR, f"group_list {sizes} must be non-decreasing cumsums or "
                     f"non-negative counts within x's {h.shape[0]} rows")
+    if quantized:
+        out_dtype, factor = _per_token_factor(error, w, scale, per_token_scale, bias,
+                                              output_dtype, h.shape[0])
+    else:
+        if scale is not None or per_token_scale is not None or \
+                output_dtype not in (None, h.dtype):
+            raise error(PARAM_INVALID, f"{h.dtype} x takes no scale or per_token_scale, and "
+                        f"outputs {h.dtype}")
+        out_dtype = h.dtype
     if bias is not None:
         (b,) = bias
         if tuple(b.shape) != (w.shape[0], w.shape[2]):
@@ -204,16 +223,42 @@ def _grouped_matmul_impl(x, weight, *, bias=None, group_list=None, split_item=0,
         want = torch.float32 if h.dtype == torch.bfloat16 else torch.float16
         if b.dtype != want:
             raise error(PARAM_INVALID, f"bias must be {want} with {h.dtype} x, got {b.dtype}")
-    out = torch.full((h.shape[0], w.shape[2]), float("nan"), dtype=h.dtype)
+    out = torch.full((h.shape[0], w.shape[2]), float("nan"), dtype=out_dtype)
     start = 0
     for e, n in enumerate(sizes):
         if n:
-            y = h[start:start + n].float() @ w[e].float()
+            if quantized:  # int8 products summed exactly, then the two scales
+                y = (h[start:start + n].double() @ w[e].double()).float() * factor(e, start, n)
+            else:
+                y = h[start:start + n].float() @ w[e].float()
             if bias is not None:
                 y = y + bias[0][e].float()
-            out[start:start + n] = y.to(h.dtype)
+            out[start:start + n] = y.to(out_dtype)
         start += n
     return [out]
+
+
+def _per_token_factor(error, w, scale, per_token_scale, bias, output_dtype, rows):
+    """The output dtype and ``factor(e, start, n)``, the [n, N] float32 multiplier of group e's
+    int32 products: its weight scale per output channel times each row's token scale. Only
+    per-token quantization without a bias is simulated (upstream's W8A8_DYNAMIC experts)."""
+    if scale is None or per_token_scale is None or bias is not None:
+        raise NotImplementedError("npu_grouped_matmul: int8 x is simulated with a per-token "
+                                  "scale and a weight scale, without a bias (per-token full "
+                                  "quantization) only")
+    (s,), (t,) = scale, per_token_scale
+    want = PER_TOKEN_OUTPUT.get(s.dtype)
+    if want is None or output_dtype != want:
+        raise error(PARAM_INVALID, f"per-token quantization takes a bfloat16 scale with "
+                    f"output_dtype bfloat16 or a float32 scale with float16; got a {s.dtype} "
+                    f"scale and output_dtype {output_dtype}")
+    if tuple(s.shape) != (w.shape[0], w.shape[2]):
+        raise error(TILING_ERROR, f"scale must be (E, N) = {(w.shape[0], w.shape[2])}, got "
+                    f"{list(s.shape)}")
+    if t.dtype != torch.float32 or tuple(t.shape) != (rows,):
+        raise error(PARAM_INVALID, f"per_token_scale must be float32 [{rows}], got {t.dtype} "
+                    f"{list(t.shape)}")
+    return want, lambda e, start, n: s[e].float() * t[start:start + n].unsqueeze(1)
 
 
 def _unpermute_impl(permuted_tokens, sorted_indices, probs=None, padded_mode=False,
