@@ -104,24 +104,20 @@ def test_a_sigmoid_router_is_hfs_deepseek_v3_router():
 
 
 def test_a_routing_the_layer_does_not_build_fails_at_load_naming_the_layer():
-    from types import SimpleNamespace
-
-    from vllm_ascend.ops.fused_moe.method import AscendUnquantizedFusedMoEMethod
-
     llama4_like = _router_layer(renormalize=False, custom_routing_function=lambda *a: a,
                                 use_grouped_topk=False, global_num_experts=16, top_k=1,
                                 e_score_correction_bias=None)
-    method = SimpleNamespace(moe=SimpleNamespace(has_bias=False))
+    method = _method(has_bias=False)
     with pytest.raises(ValueError, match=(
             r"model.layers.3.mlp.experts: vllm-ascend's MoE layer routes by softmax top-k, or by "
             r"sigmoid or softmax scores over expert groups with a correction bias, to SwiGLU "
             r"experts \(Qwen2/3-MoE, DeepSeek-V2/V3, GLM-4.5, GPT-OSS\); this model uses "
             r"sigmoid scores without renormalisation, a custom routing function, which it does "
             r"not build")):
-        AscendUnquantizedFusedMoEMethod.process_weights_after_loading(method, llama4_like)
+        method.process_weights_after_loading(llama4_like)
     too_many = _router_layer(num_expert_group=1, topk_group=1, global_num_experts=4096)
     with pytest.raises(ValueError, match="4096 experts in 1 groups with top-8 of 1 groups"):
-        AscendUnquantizedFusedMoEMethod.process_weights_after_loading(method, too_many)
+        method.process_weights_after_loading(too_many)
 
 
 E, H, INTER, TOP_K = 8, 16, 8, 2
@@ -156,6 +152,17 @@ def _reference(x, logits, renormalize, experts=range(E), scale=1.0):
     return out
 
 
+def _method(has_bias: bool):
+    """The product's MoE method as vLLM builds it for a layer, without vLLM's config."""
+    from types import SimpleNamespace
+
+    from vllm_ascend.ops.fused_moe.method import AscendUnquantizedFusedMoEMethod
+
+    method = AscendUnquantizedFusedMoEMethod.__new__(AscendUnquantizedFusedMoEMethod)
+    method.moe = SimpleNamespace(has_bias=has_bias)
+    return method
+
+
 def _layer_experts(x, logits, renormalize, first=0, last=E, scale=1.0, biases=None):
     """The product's expert computation (AscendUnquantizedFusedMoEMethod._experts) on a layer
     holding experts [first, last), with its weights as process_weights_after_loading leaves
@@ -165,8 +172,6 @@ def _layer_experts(x, logits, renormalize, first=0, last=E, scale=1.0, biases=No
 
     import torch
     from vllm.model_executor.layers.fused_moe import MoEActivation
-
-    from vllm_ascend.ops.fused_moe.method import AscendUnquantizedFusedMoEMethod
 
     w13, w2 = _weights()
     layer = SimpleNamespace(
@@ -178,9 +183,8 @@ def _layer_experts(x, logits, renormalize, first=0, last=E, scale=1.0, biases=No
         w2_weight=w2[first:last].transpose(1, 2).contiguous().to(torch.bfloat16))
     if biases:
         layer.w13_bias, layer.w2_bias = (b[first:last].float() for b in biases)
-    method = SimpleNamespace(moe=SimpleNamespace(has_bias=biases is not None))
-    return AscendUnquantizedFusedMoEMethod._experts(method, layer, x.to(torch.bfloat16),
-                                                    logits.to(torch.bfloat16)).float()
+    return _method(has_bias=biases is not None)._experts(layer, x.to(torch.bfloat16),
+                                                         logits.to(torch.bfloat16)).float()
 
 
 def _inputs(tokens=6, seed=1):

@@ -104,8 +104,13 @@ ACTIVATIONS = {MoEActivation.SILU: lambda x: torch_npu.npu_swiglu(x),
 GMM_BIAS_DTYPE = {torch.bfloat16: torch.float32}
 
 
-@UnquantizedFusedMoEMethod.register_oot(name="UnquantizedFusedMoEMethod")
-class AscendUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
+class AscendMoEExperts:
+    """What the Ascend MoE methods share (unquantized here, W8A8_DYNAMIC in quantization/
+    w8a8_moe.py): the refusals at load, routing inside the layer from the router logits, the
+    data-parallel gather, the (token, expert) pairs sorted to this rank's experts and summed
+    back by their weights. A method computes its experts' MLP on the sorted tokens (``_mlp``)."""
+
+    activations = ACTIVATIONS  # the expert activations the method runs
 
     @property
     def is_monolithic(self) -> bool:
@@ -115,7 +120,8 @@ class AscendUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
     def supports_internal_mk(self) -> bool:
         return True  # its own DP all-gather/reduce-scatter: vLLM's runner must not dispatch
 
-    def process_weights_after_loading(self, layer) -> None:
+    def check_layer(self, layer) -> None:
+        """Refuse a reload and what the layer cannot run, naming the layer."""
         if hasattr(layer, "ascend_expert_range"):  # processed once: this is a reload
             raise NotImplementedError(
                 f"{layer.layer_name}: vllm-ascend cannot reload MoE expert weights in place yet: "
@@ -123,7 +129,7 @@ class AscendUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
                 "captured graphs read, and a reload would leave them reading the old experts "
                 "(docs/moe.md). Start a new engine on the new checkpoint instead.")
         unsupported = routing_problems(layer) + [
-            f"{layer.activation.value} experts"] * (layer.activation not in ACTIVATIONS)
+            f"{layer.activation.value} experts"] * (layer.activation not in self.activations)
         if unsupported:
             raise ValueError(
                 f"{layer.layer_name}: vllm-ascend's MoE layer routes by softmax top-k, or by "
@@ -131,16 +137,9 @@ class AscendUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
                 "experts (Qwen2/3-MoE, DeepSeek-V2/V3, GLM-4.5, GPT-OSS); this model uses "
                 f"{', '.join(unsupported)}, which it does not build (docs/moe.md). Serve one of "
                 "those families.")
-        super().process_weights_after_loading(layer)  # the OOT backend keeps the weights as is
-        # npu_grouped_matmul multiplies [M, K] by [E, K, N]: store the experts' weights
-        # transposed (in place of vLLM's [E, N, K]), once, as upstream does after loading.
-        for name in ("w13_weight", "w2_weight"):
-            weight = getattr(layer, name)
-            weight.data = weight.data.transpose(1, 2).contiguous()
-        if self.moe.has_bias:  # GPT-OSS: in the dtype npu_grouped_matmul takes with x's
-            for name in ("w13_bias", "w2_bias"):
-                bias = getattr(layer, name)
-                bias.data = bias.data.to(GMM_BIAS_DTYPE.get(bias.dtype, bias.dtype))
+
+    @staticmethod
+    def place(layer) -> None:
         layer.ascend_expert_range = expert_range(layer.expert_map, layer.local_num_experts)
 
     def apply_monolithic(self, layer, x: torch.Tensor, router_logits: torch.Tensor,
@@ -170,15 +169,7 @@ class AscendUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
             x, topk_ids, scale=None, active_num=x.shape[0] * top_k,
             expert_num=layer.global_num_experts, expert_tokens_num_type=1,
             expert_tokens_num_flag=True, active_expert_range=[first, last], quant_mode=-1)
-        expert_tokens = expert_tokens.to(torch.int64)
-        biased = self.moe.has_bias
-        gate_up = torch_npu.npu_grouped_matmul(
-            x=[sorted_x], weight=[layer.w13_weight], bias=[layer.w13_bias] if biased else None,
-            split_item=2, group_list_type=1, group_type=0, group_list=expert_tokens)[0]
-        hidden = ACTIVATIONS[layer.activation](gate_up)
-        down = torch_npu.npu_grouped_matmul(
-            x=[hidden], weight=[layer.w2_weight], bias=[layer.w2_bias] if biased else None,
-            split_item=2, group_list_type=1, group_type=0, group_list=expert_tokens)[0]
+        down = self._mlp(layer, sorted_x, expert_tokens.to(torch.int64))
         if last - first < layer.global_num_experts:
             # The pairs routed to other ranks point (through abs(-1)) at row 1, weighted 0; the
             # grouped matmul leaves the rows past this rank's routed pairs undefined, and
@@ -189,3 +180,35 @@ class AscendUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
         return torch_npu.npu_moe_token_unpermute(
             permuted_tokens=down, sorted_indices=torch.abs(expanded_row_idx),
             probs=topk_weights)
+
+    def _mlp(self, layer, sorted_x: torch.Tensor, expert_tokens: torch.Tensor) -> torch.Tensor:
+        """The experts' outputs for the tokens sorted by expert, ``expert_tokens`` to each."""
+        raise NotImplementedError
+
+
+@UnquantizedFusedMoEMethod.register_oot(name="UnquantizedFusedMoEMethod")
+class AscendUnquantizedFusedMoEMethod(AscendMoEExperts, UnquantizedFusedMoEMethod):
+
+    def process_weights_after_loading(self, layer) -> None:
+        self.check_layer(layer)
+        super().process_weights_after_loading(layer)  # the OOT backend keeps the weights as is
+        # npu_grouped_matmul multiplies [M, K] by [E, K, N]: store the experts' weights
+        # transposed (in place of vLLM's [E, N, K]), once, as upstream does after loading.
+        for name in ("w13_weight", "w2_weight"):
+            weight = getattr(layer, name)
+            weight.data = weight.data.transpose(1, 2).contiguous()
+        if self.moe.has_bias:  # GPT-OSS: in the dtype npu_grouped_matmul takes with x's
+            for name in ("w13_bias", "w2_bias"):
+                bias = getattr(layer, name)
+                bias.data = bias.data.to(GMM_BIAS_DTYPE.get(bias.dtype, bias.dtype))
+        self.place(layer)
+
+    def _mlp(self, layer, sorted_x: torch.Tensor, expert_tokens: torch.Tensor) -> torch.Tensor:
+        biased = self.moe.has_bias
+        gate_up = torch_npu.npu_grouped_matmul(
+            x=[sorted_x], weight=[layer.w13_weight], bias=[layer.w13_bias] if biased else None,
+            split_item=2, group_list_type=1, group_type=0, group_list=expert_tokens)[0]
+        hidden = ACTIVATIONS[layer.activation](gate_up)
+        return torch_npu.npu_grouped_matmul(
+            x=[hidden], weight=[layer.w2_weight], bias=[layer.w2_bias] if biased else None,
+            split_item=2, group_list_type=1, group_type=0, group_list=expert_tokens)[0]
