@@ -4,8 +4,9 @@ type (``"model.layers.0.self_attn.q_proj.weight": "W8A8_DYNAMIC"``, ``"FLOAT"`` 
 in float). The platform selects this config when the file is there (``detect``); vLLM then asks
 it for each layer's method.
 
-Supported here: W8A8_DYNAMIC and W8A8 linear layers, FLOAT anywhere. Quantized MoE experts,
-embeddings, LM heads and other types are refused at start-up with the layer's name.
+Supported here: W8A8_DYNAMIC and W8A8 linear layers, W8A8_DYNAMIC MoE experts
+(quantization/w8a8_moe.py), FLOAT anywhere. Other expert types, quantized embeddings and LM
+heads, and other types are refused at start-up with the layer's name.
 """
 
 import collections
@@ -21,6 +22,7 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
 from vllm_ascend.quantization.w8a8 import SCHEMES, CheckpointError
+from vllm_ascend.quantization.w8a8_moe import AscendW8A8DynamicFusedMoEMethod
 
 METHOD = "ascend"
 DESCRIPTION = "quant_model_description.json"
@@ -99,12 +101,6 @@ class AscendModelSlimConfig(QuantizationConfig):
             listed[module].add(name)
         return listed
 
-    @functools.cached_property
-    def _quantized(self) -> dict[str, str]:
-        """The layers whose weight is not FLOAT, with their type."""
-        return {k.removesuffix(".weight"): v for k, v in self.description.items()
-                if k.endswith(".weight") and v != "FLOAT"}
-
     def types(self) -> set[str]:
         return {v for k, v in self.description.items() if k.endswith(".weight")}
 
@@ -115,14 +111,7 @@ class AscendModelSlimConfig(QuantizationConfig):
                 return UnquantizedLinearMethod()
             return SCHEMES[quant_type](prefix)
         if isinstance(layer, RoutedExperts):
-            found = {v for k, v in self._quantized.items() if k.startswith(prefix + ".")}
-            if found:
-                raise CheckpointError(
-                    f"{prefix}: the experts are {'/'.join(sorted(found))} in this "
-                    "checkpoint; vllm-ascend runs quantized linear layers but not quantized MoE "
-                    "experts yet. Export the model with the experts left FLOAT (ModelSlim's "
-                    "disable_names), or run the float checkpoint")
-            return None  # vLLM's unquantized experts, i.e. vllm-ascend's MoE layer
+            return self._experts_method(layer, prefix)
         if isinstance(layer, VocabParallelEmbedding):
             quant_type = self.description.get(prefix + ".weight", "FLOAT")
             if quant_type != "FLOAT":
@@ -130,6 +119,21 @@ class AscendModelSlimConfig(QuantizationConfig):
                     f"{prefix}: a {quant_type} embedding or LM head is not supported; export "
                     "it FLOAT (ModelSlim leaves embeddings and the LM head in float by default)")
         return None
+
+    def _experts_method(self, layer, prefix: str):
+        """W8A8_DYNAMIC experts, or None (vLLM's unquantized experts, i.e. vllm-ascend's MoE
+        layer) when the export leaves them FLOAT; one type for every expert of the layer."""
+        found = {v for k, v in self.description.items()
+                 if k.startswith(prefix + ".") and k.endswith(".weight")}
+        if found <= {"FLOAT"}:
+            return None
+        if found != {"W8A8_DYNAMIC"}:
+            raise CheckpointError(
+                f"{prefix}: the experts are {'/'.join(sorted(found))} in this checkpoint; "
+                "vllm-ascend runs MoE experts FLOAT or W8A8_DYNAMIC, all of a layer's experts "
+                "alike. Export the experts W8A8_DYNAMIC or FLOAT (ModelSlim's disable_names), "
+                "or run the float checkpoint")
+        return AscendW8A8DynamicFusedMoEMethod(layer.moe_config, prefix)
 
     def _linear_type(self, prefix: str) -> str:
         """The layer's type, after checking that the description is whole for each projection
