@@ -410,19 +410,24 @@ def eagle_head_dir(target: str, agreeing: bool = False) -> str:
 # The linear layers a ModelSlim export quantizes in the tiny families (attention, a dense MLP, a
 # shared expert); routed experts, routers, embeddings, norms and the LM head stay FLOAT.
 QUANTIZED_LINEAR = (r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|"
-                    r"mlp\.(shared_expert\.)?(gate|up|down)_proj)$")
+                    r"mlp\.(shared_experts?\.)?(gate|up|down)_proj)$")
+# HF's fused experts of a layer ([E, 2I, H] gate|up, [E, H, I] down), written per expert as
+# ModelSlim's exports and the published checkpoints name them
+FUSED_EXPERTS = r"(model\.layers\.(\d+)\.mlp\.experts)\.(gate_up_proj|down_proj)$"
 CALIBRATION = ["The capital of France is", "Write a haiku about the sea.",
                "1, 2, 3, 4, 5,", "def fibonacci(n):"]
 
 
 def quantized_model_dir(family: str, types: "str | tuple[str, ...]",
-                        dtype: str = "bfloat16", seed: int = 1234) -> str:
+                        dtype: str = "bfloat16", seed: int = 1234, experts: bool = False) -> str:
     """The tiny ``family`` model exported in ModelSlim's format (docs/quantization.md): each
     decoder layer's linear layers in ``types`` (one type for all layers, or one per layer:
     "W8A8_DYNAMIC", "W8A8" or "FLOAT"), int8 weights per output channel, symmetric; for W8A8,
     an asymmetric per-tensor activation scale and offset calibrated on a few prompts, with the
-    float bias and the offset folded into an int32 quant_bias. Saved once, for ``dtype``; another
-    ``seed`` exports the tiny model of that seed."""
+    float bias and the offset folded into an int32 quant_bias. With ``experts``, the routed
+    experts of W8A8_DYNAMIC layers too, per expert and output channel (the experts of other
+    layers, and all of them without it, stay FLOAT). Saved once, for ``dtype``; another ``seed``
+    exports the tiny model of that seed."""
     import json
     import re
 
@@ -434,7 +439,7 @@ def quantized_model_dir(family: str, types: "str | tuple[str, ...]",
     config = transformers.AutoConfig.from_pretrained(src)
     per_layer = (types,) * config.num_hidden_layers if isinstance(types, str) else tuple(types)
     named = per_layer[:1] if len(set(per_layer)) == 1 else per_layer  # each layer's, if mixed
-    tag = "-".join(t.lower() for t in named)
+    tag = "-".join(t.lower() for t in named) + ("-experts" if experts else "")
     path = CACHE / "models" / (f"tiny-{family}-{tag}-{dtype}-q2"
                                + ("" if seed == 1234 else f"-seed{seed}"))
     if (path / "config.json").exists():
@@ -460,8 +465,19 @@ def quantized_model_dir(family: str, types: "str | tuple[str, ...]",
     for h in handles:
         h.remove()
 
-    tensors, description = {}, {"model_quant_type": per_layer[0], "version": "1.0.0"}
+    state = {}
     for name, t in model.state_dict().items():
+        fused = re.match(FUSED_EXPERTS, name)
+        if not (experts and fused and per_layer[int(fused.group(2))] == "W8A8_DYNAMIC"):
+            state[name] = t
+            continue
+        for e, w in enumerate(t):  # quantized below as linear layers, one per expert
+            names = (["down_proj"] if fused.group(3) == "down_proj" else ["gate_proj", "up_proj"])
+            for proj, part in zip(names, w.chunk(len(names))):
+                state[f"{fused.group(1)}.{e}.{proj}.weight"] = part
+                linears[f"{fused.group(1)}.{e}.{proj}"] = None  # no float bias
+    tensors, description = {}, {"model_quant_type": per_layer[0], "version": "1.0.0"}
+    for name, t in state.items():
         module = name.rsplit(".", 1)[0]
         layer = int(name.split(".")[2]) if name.startswith("model.layers.") else None
         quant_type = per_layer[layer] if module in linears else "FLOAT"

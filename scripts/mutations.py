@@ -103,6 +103,19 @@ MUTATIONS = [
              "            routed_scaling_factor=1.0, eps=1e-20)",
              # (vLLM 0.32's DeepSeek and GLM classes scale in their MoE runner instead)
              ("tests/ut/test_moe.py",)),
+    Mutation("expert-token-scale-dropped", "W8A8_DYNAMIC experts dequantized without each "
+             "token's activation scale", "vllm_ascend/quantization/w8a8_moe.py",
+             "per_token_scale=[scale],", "per_token_scale=[torch.ones_like(scale)],",
+             ("tests/e2e/test_quantized_experts.py", "-k", "close and qwen3 and FULL_DECODE")),
+    Mutation("quantized-experts-without-swiglu", "W8A8_DYNAMIC experts skip their activation",
+             "vllm_ascend/quantization/w8a8_moe.py",
+             'grouped_matmul(torch_npu.npu_swiglu(grouped_matmul(sorted_x, "w13")), "w2")',
+             'grouped_matmul(grouped_matmul(sorted_x, "w13").chunk(2, -1)[1].contiguous(), "w2")',
+             ("tests/e2e/test_quantized_experts.py", "-k", "close and qwen3 and FULL_DECODE")),
+    Mutation("simulated-gmm-token-scale-ignored", "the simulator's quantized grouped matmul "
+             "leaves out the per-token scale", "vllm_ascend/device/sim/moe.py",
+             "s[e].float() * t[start:start + n].unsqueeze(1)", "s[e].float().expand(n, -1)",
+             ("tests/ut/test_sim_moe.py",)),
     Mutation("simulated-gating-weights-biased", "the simulator's grouped gating weighs the "
              "experts by their biased scores", "vllm_ascend/device/sim/moe.py",
              "    y = scores.gather(1, expert_idx)", "    y = choice.gather(1, expert_idx)",

@@ -60,6 +60,12 @@ QUANTIZED = {
     "qwen3-w8a8": ("qwen3", "W8A8", "float16"),
     # attention and shared expert static in layer 0, dynamic in layer 1; routed experts FLOAT
     "qwen2_moe-w8a8-mixed": ("qwen2_moe", ("W8A8", "W8A8_DYNAMIC"), "float16"),
+    # every linear layer and the routed experts W8A8_DYNAMIC, as DeepSeek's and Qwen3-MoE's
+    # ModelSlim exports (DeepSeek's MLA keeps its latent projections FLOAT)
+    "qwen3_moe-w8a8-dynamic": ("qwen3_moe", "W8A8_DYNAMIC", "bfloat16", 1234, True),
+    "deepseek_v2_moe-w8a8-dynamic": ("deepseek_v2_moe", "W8A8_DYNAMIC", "bfloat16", 1234, True),
+    # float16: the experts' weight scales in float32, the grouped matmul's other dtype row
+    "qwen3_moe-w8a8-dynamic-float16": ("qwen3_moe", "W8A8_DYNAMIC", "float16", 1234, True),
 }
 
 

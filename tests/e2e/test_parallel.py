@@ -220,6 +220,10 @@ LAYOUTS = {
     "TP=2 EP DeepSeek-V2-MoE FULL_AND_PIECEWISE": (
         "deepseek_v2_moe", EP_DTYPE, "FULL_AND_PIECEWISE", 0,
         dict(tensor_parallel_size=2, enable_expert_parallel=True)),
+    # W8A8_DYNAMIC experts, each rank with its half of them (int8, with their scales).
+    "TP=2 EP Qwen3-MoE W8A8_DYNAMIC experts FULL_DECODE_ONLY": (
+        "qwen3_moe-w8a8-dynamic", "bfloat16", "FULL_DECODE_ONLY", 0,
+        dict(tensor_parallel_size=2, enable_expert_parallel=True)),
     "TP=2 EAGLE FULL_DECODE_ONLY": (
         "llama", "bfloat16", "FULL_DECODE_ONLY", 3,
         dict(tensor_parallel_size=2, speculative_config=speculative_config("llama", "eagle", 3))),

@@ -7,7 +7,9 @@ same call sites, and those lines are left out here); a
 third, of a tiny DeepSeek-V2 in FULL_AND_PIECEWISE, makes the MLA calls; a fourth, eager, of a
 W8A8 export of the tiny Llama (one dynamic, one static layer), the quantized ones; a fifth, eager,
 of a tiny Mistral with n-gram drafts, the sliding window's band and npu_mrope; a sixth, of a tiny
-GPT-OSS in FULL_DECODE_ONLY, FIA v2 with attention sinks and biased experts. Each distinct
+GPT-OSS in FULL_DECODE_ONLY, FIA v2 with attention sinks and biased experts; a seventh and an
+eighth, eager, DeepSeek-V3's grouped sigmoid router and a Qwen3-MoE export's W8A8_DYNAMIC
+experts. Each distinct
 call shape must match the table below, written from ../shared/TORCH_NPU_CONTRACTS.md and
 docs/torch_npu_calls.md (op name, positional count, keyword names, dtypes, ranks, contiguity),
 and every API of the table must be used.
@@ -80,6 +82,29 @@ GMM = {"x": lambda d: isinstance(d, list) and len(d) == 1 and tensor(2)(d[0]),
        "group_list": tensor(1, ("int64",))}
 BIAS = lambda d: isinstance(d, list) and len(d) == 1 and tensor(2, ("float32",))(d[0])  # noqa
 BIAS.__doc__ = "[2-D float32 tensor]"
+
+
+def one(check):
+    def one_tensor(d):
+        return isinstance(d, list) and len(d) == 1 and check(d[0])
+
+    one_tensor.__doc__ = f"[{check.__doc__}]"
+    return one_tensor
+
+
+# moe_mlp.py quant_apply_mlp (its all-gather branch, the W8A8_DYNAMIC experts): int8 x and
+# weights, the weight's scale per expert and channel (bfloat16 for bfloat16 output), each
+# token's float32 scale.
+QUANT_GMM = {**GMM, "x": one(tensor(2, ("int8",))), "weight": one(tensor(3, ("int8",))),
+             "scale": one(tensor(2)), "per_token_scale": one(tensor(1, ("float32",))),
+             "output_dtype": value("dtype")}
+del QUANT_GMM["bias"]
+# router/fused_topk_router.py _compute_routing through device_op.py:1079-1103 (renorm 0, the
+# correction bias in the logits' dtype).
+GATING = ([tensor(2, ("bfloat16", "float32"))], {
+    "k": INT, "bias": tensor(1, ("bfloat16", "float32")), "k_group": INT, "group_count": INT,
+    "group_select_mode": INT, "renorm": INT, "norm_type": INT, "out_flag": value("bool"),
+    "routed_scaling_factor": FLOAT, "eps": FLOAT})
 TABLE = {
     "npu_fused_infer_attention_score": [([], FIA), ([], FIA_BAND), MLA_PREFILL],
     "_npu_fused_infer_attention_score_get_max_workspace": ([], FIA_GRAPH),
@@ -99,11 +124,12 @@ TABLE = {
     # routing as token_dispatcher.py (TokenDispatcherWithAllGather) through device_op.py;
     # grouped matmuls as moe_mlp.py (unquant_apply_mlp); unpermute as device_op.py:951-954.
     "npu_moe_gating_top_k_softmax": ([tensor(2)], {"k": INT}),
+    "npu_moe_gating_top_k": GATING,
     "npu_moe_init_routing_v2": ([tensor(2), tensor(2, ("int32",))], {
         "scale": value("NoneType"), "active_num": INT, "expert_num": INT,
         "expert_tokens_num_type": value("int"), "expert_tokens_num_flag": value("bool"),
         "active_expert_range": HOST_LIST, "quant_mode": INT}),
-    "npu_grouped_matmul": [([], GMM), ([], {**GMM, "bias": BIAS})],
+    "npu_grouped_matmul": [([], GMM), ([], {**GMM, "bias": BIAS}), ([], QUANT_GMM)],
     "npu_moe_token_unpermute": ([], {"permuted_tokens": tensor(2),
                                      "sorted_indices": tensor(1, ("int32",)),
                                      "probs": tensor(2)}),
@@ -136,7 +162,8 @@ TABLE = {
     # ops/register_custom_ops.py _quantize_impl), and the norm-quant fusion pass's replacements
     # (compilation/passes/norm_quant_fusion_pass.py AddRMSNormQuantPattern,
     # AddRMSNormDynamicQuantPattern).
-    "npu_dynamic_quant": ([tensor(2)], {"dst_type": value("dtype")}),
+    "npu_dynamic_quant": [([tensor(2)], {"dst_type": value("dtype")}),
+                          ([tensor(2)], {})],  # moe_mlp.py: the experts' activations
     "npu_quantize": ([tensor(2), tensor(1), tensor(1), value("dtype"), INT, value("bool")], {}),
     "npu_quant_matmul": [
         ([tensor(2, ("int8",)), tensor(2, ("int8",)), tensor(1, ("float32",))],
@@ -201,6 +228,11 @@ def call_log(tmp_path_factory):
                 "cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [1, 2, 4]}) \
                 as llm:
             vllm_greedy(llm, ["The capital of France is", "Hello"], 4)
+        # DeepSeek-V3's router (sigmoid, groups, the correction bias), and a Qwen3-MoE export
+        # with W8A8_DYNAMIC experts, eagerly.
+        for name in ("deepseek_v3", "qwen3_moe-w8a8-dynamic"):
+            with engine(model_path(name), max_num_seqs=4, enforce_eager=True) as llm:
+                vllm_greedy(llm, ["The capital of France is", "Hello"], 4)
     # The calls made from Python, as their call sites made them; a compiled piece's calls (the
     # log's "in": "graph" lines, in the dispatcher's form) come from those same call sites.
     return [call for call in map(json.loads, path.read_text().splitlines())
