@@ -15,6 +15,7 @@ import functools
 import json
 import pathlib
 import shutil
+from unittest import mock
 
 import pytest
 
@@ -41,12 +42,18 @@ def run(name: str, mode: str) -> dict:
     """The export's greedy outputs in ``mode``, its MoE layers and the replays they made."""
     mode_args = {"enforce_eager": True} if mode == "NONE" else {"compilation_config": {
         "cudagraph_mode": mode, "cudagraph_capture_sizes": CAPTURE_SIZES}}
-    with engine(model_path(name), max_num_seqs=4, dtype=QUANTIZED[name][2], **mode_args) as llm:
+    from vllm_ascend.ops.fused_moe import method
+
+    lines = []  # the MoE layer's start-up lines (the worker runs in this process)
+    with mock.patch.object(method.logger, "info", lambda msg, *a, **k: lines.append(msg % a)), \
+            engine(model_path(name), max_num_seqs=4, dtype=QUANTIZED[name][2],
+                   **mode_args) as llm:
         assert llm.llm_engine.vllm_config.model_config.quantization == "ascend"
         with replays(llm) as made:
             outs = vllm_greedy(llm, PROMPTS, MAX_TOKENS)
         layers = llm.llm_engine.vllm_config.model_config.hf_config.num_hidden_layers
         return dict(outs=outs, made=made, experts=llm.apply_model(probe)[0],
+                    routing=[line for line in lines if "MoE routing" in line],
                     expected=expected_replays(mode, made["steps"], layers, max(CAPTURE_SIZES)))
 
 
@@ -57,6 +64,9 @@ def run(name: str, mode: str) -> dict:
 def test_quantized_experts_are_close_to_their_reference(name, mode):
     result = run(name, mode)
     assert result["experts"] == [("AscendW8A8DynamicFusedMoEMethod", "torch.int8", "torch.int8")]
+    assert len(result["routing"]) == 1 and result["routing"][0].endswith(
+        "; experts W8A8_DYNAMIC (int8 per channel, activations quantized per token)"), result
+    assert result["routing"][0].startswith("vllm-ascend: MoE routing: softmax top-2"), result
     for prompt, out in zip(PROMPTS, result["outs"]):
         check_logprobs_close(hf_greedy(model_path(name), prompt, MAX_TOKENS), out,
                              f"{name} {mode} {prompt!r}", dtype=QUANTIZED[name][2])

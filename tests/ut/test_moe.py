@@ -66,7 +66,11 @@ def _router_layer(**changes):
 
 
 def test_the_routers_of_deepseek_v3_glm_and_kimi_are_built():
-    from vllm_ascend.ops.fused_moe.router import grouped, routing_problems
+    from vllm_ascend.ops.fused_moe.router import describe, grouped, routing_problems
+
+    assert describe(_router_layer()) == (  # the start-up log's words
+        "sigmoid scores plus a correction bias for the choice, the best 4 of 8 expert groups, "
+        "top-8, renormalised (npu_moe_gating_top_k)")
 
     for layer in (_router_layer(),  # DeepSeek-V3/R1: 256 experts, 8 groups, top-4 groups
                   _router_layer(num_expert_group=1, topk_group=1, global_num_experts=160),  # GLM

@@ -34,6 +34,7 @@ class AscendW8A8DynamicFusedMoEMethod(AscendMoEExperts, FusedMoEMethodBase):
     """int8 experts per output channel, symmetric; activations quantized per token."""
 
     activations = {MoEActivation.SILU: None}  # SwiGLU (npu_swiglu) only
+    experts_kind = "W8A8_DYNAMIC (int8 per channel, activations quantized per token)"
 
     def __init__(self, moe, prefix: str):
         super().__init__(moe)

@@ -20,7 +20,7 @@ from vllm_ascend import device
 from vllm_ascend.device import torch_npu
 from vllm_ascend.logger import get_logger
 from vllm_ascend.ops.fused_moe.comm import chip_generation, select_moe_comm
-from vllm_ascend.ops.fused_moe.router import route, routing_problems
+from vllm_ascend.ops.fused_moe.router import describe, route, routing_problems
 
 logger = get_logger(__name__)
 
@@ -92,6 +92,8 @@ def log_layout(model: torch.nn.Module) -> None:
     logger.info("vllm-ascend: MoE layers: top-%d of %s; %s, in every phase and graph mode (%s)",
                 layer.top_k, where, gather,
                 "; ".join(sorted(c.reason for c in choices)))
+    logger.info("vllm-ascend: MoE routing: %s; experts %s", describe(layer),
+                getattr(layer.quant_method, "experts_kind", f"in {moe.in_dtype}"))
 
 
 # The experts' activations, as upstream's unquant_apply_mlp runs them: SwiGLU in one kernel;

@@ -47,6 +47,21 @@ def routing_problems(layer) -> list[str]:
         ("router weights applied to the input", layer.apply_router_weight_on_input)) if used]
 
 
+def describe(layer) -> str:
+    """The layer's routing, in words, for the start-up log."""
+    if not grouped(layer):
+        return (f"softmax top-{layer.top_k}{', renormalised' * bool(layer.renormalize)} "
+                "(npu_moe_gating_top_k_softmax)")
+    groups, chosen = _groups(layer)
+    return (f"{layer.scoring_func} scores"
+            + " plus a correction bias for the choice" * (layer.e_score_correction_bias
+                                                          is not None)
+            + (f", the best {chosen} of {groups} expert groups" if groups > 1 else "")
+            + f", top-{layer.top_k}"
+            + ", renormalised" * bool(layer.renormalize or layer.scoring_func == "sigmoid")
+            + " (npu_moe_gating_top_k)")
+
+
 def route(layer, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each token's top-k experts (int32 ids) and their weights, routed_scaling_factor
     included. A grouped router's group score is the sum of its top two with a correction
