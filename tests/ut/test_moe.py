@@ -100,7 +100,8 @@ def test_a_sigmoid_router_is_hfs_deepseek_v3_router():
         logits, hf_weights, hf_ids = hf(torch.randn(24, 32, generator=g))
     layer = _router_layer(num_expert_group=4, topk_group=2, top_k=4, global_num_experts=16,
                           routed_scaling_factor=2.5,
-                          e_score_correction_bias=hf.e_score_correction_bias)
+                          e_score_correction_bias=hf.e_score_correction_bias,
+                          ascend_gating_bias=hf.e_score_correction_bias)  # float32 logits
     weights, ids = route(layer, logits)
     order, hf_order = ids.long().argsort(-1), hf_ids.argsort(-1)
     assert torch.equal(ids.long().gather(1, order), hf_ids.gather(1, hf_order))

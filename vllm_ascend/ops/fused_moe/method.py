@@ -140,9 +140,13 @@ class AscendMoEExperts:
                 f"{', '.join(unsupported)}, which it does not build (docs/moe.md). Serve one of "
                 "those families.")
 
-    @staticmethod
-    def place(layer) -> None:
+    def place(self, layer) -> None:
+        """After loading: this rank's experts, and the router's correction bias in the router
+        logits' dtype (npu_moe_gating_top_k's), cast once rather than at every step."""
         layer.ascend_expert_range = expert_range(layer.expert_map, layer.local_num_experts)
+        bias = layer.e_score_correction_bias
+        layer.ascend_gating_bias = None if bias is None else bias.data.to(
+            self.moe.router_logits_dtype)
 
     def apply_monolithic(self, layer, x: torch.Tensor, router_logits: torch.Tensor,
                          input_ids: torch.Tensor | None = None) -> torch.Tensor:

@@ -69,11 +69,10 @@ def route(layer, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     scale = layer.routed_scaling_factor
     if grouped(layer):
         sigmoid = layer.scoring_func == "sigmoid"
-        bias = layer.e_score_correction_bias
+        bias = layer.ascend_gating_bias  # in the logits' dtype (method.py place)
         groups, chosen = _groups(layer)
         weights, ids, _ = torch_npu.npu_moe_gating_top_k(
-            router_logits, k=layer.top_k,
-            bias=None if bias is None else bias.to(router_logits.dtype),
+            router_logits, k=layer.top_k, bias=bias,
             k_group=chosen, group_count=groups, group_select_mode=int(bias is not None),
             renorm=0, norm_type=int(sigmoid), out_flag=False,
             # the operator normalises sigmoid weights, then scales them; softmax weights are
