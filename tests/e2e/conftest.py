@@ -8,6 +8,7 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -67,6 +68,22 @@ QUANTIZED = {
     # float16: the experts' weight scales in float32, the grouped matmul's other dtype row
     "qwen3_moe-w8a8-dynamic-float16": ("qwen3_moe", "W8A8_DYNAMIC", "float16", 1234, True),
 }
+
+
+def broken_export(tmp_path, name: str, edit) -> str:
+    """A copy of the ``name`` export (QUANTIZED) with ``edit(tensors, description)`` applied to
+    its weights and its quant_model_description.json: a malformed export."""
+    import safetensors.torch
+
+    dst = tmp_path / "broken"
+    shutil.copytree(model_path(name), dst)
+    weights = next(dst.glob("*.safetensors"))
+    tensors = safetensors.torch.load_file(str(weights))
+    description = json.loads((dst / "quant_model_description.json").read_text())
+    edit(tensors, description)
+    safetensors.torch.save_file(tensors, str(weights), metadata={"format": "pt"})
+    (dst / "quant_model_description.json").write_text(json.dumps(description))
+    return str(dst)
 
 
 def model_path(family: str) -> str:

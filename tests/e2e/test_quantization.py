@@ -7,14 +7,11 @@ Modes: each scheme runs in every graph mode (the CASES below, with test_graph_mo
 exports in PIECEWISE and FULL through all its checks); test_parallel.py runs a mixed Qwen2-MoE
 export at TP=2; test_torch_npu_calls.py checks every quantized call's shape."""
 
-import json
-import pathlib
-import shutil
-
 import pytest
 
-from tests.e2e.conftest import (PROMPTS, QUANTIZED, check_logprobs_close, engine, expected_replays,
-                                hf_greedy, MAX_TOKENS, model_path, replays, vllm_greedy)
+from tests.e2e.conftest import (PROMPTS, QUANTIZED, broken_export, check_logprobs_close, engine,
+                                expected_replays, hf_greedy, MAX_TOKENS, model_path, replays,
+                                vllm_greedy)
 
 # Both schemes in every mode: Qwen3's static export in all five, Llama's dynamic export in all
 # but PIECEWISE (test_graph_modes.py runs it there, and the static one in FULL), Qwen3's dynamic
@@ -100,22 +97,6 @@ def test_layers_hold_int8_weights_and_norms_quantize_for_them(quantized_llm):
 
 # -- malformed exports ---------------------------------------------------------------------------
 
-def broken_export(tmp_path, edit) -> str:
-    """A copy of the Llama W8A8_DYNAMIC export with ``edit(tensors, description)`` applied."""
-    import safetensors.torch
-
-    src = pathlib.Path(model_path("llama-w8a8-dynamic"))
-    dst = tmp_path / "broken"
-    shutil.copytree(src, dst)
-    weights = next(dst.glob("*.safetensors"))
-    tensors = safetensors.torch.load_file(str(weights))
-    description = json.loads((dst / "quant_model_description.json").read_text())
-    edit(tensors, description)
-    safetensors.torch.save_file(tensors, str(weights), metadata={"format": "pt"})
-    (dst / "quant_model_description.json").write_text(json.dumps(description))
-    return str(dst)
-
-
 def drop_weight_scale(tensors, description):
     del tensors["model.layers.1.mlp.down_proj.weight_scale"]
 
@@ -142,7 +123,7 @@ def test_a_malformed_export_fails_at_load_naming_the_layer(tmp_path, edit, messa
     from vllm_ascend.quantization.w8a8 import CheckpointError
 
     with pytest.raises(CheckpointError, match=message):
-        with engine(broken_export(tmp_path, edit), enforce_eager=True):
+        with engine(broken_export(tmp_path, "llama-w8a8-dynamic", edit), enforce_eager=True):
             pass
 
 

@@ -12,16 +12,13 @@ At TP=2 with expert parallelism: test_parallel.py. A malformed expert export fai
 naming the layer."""
 
 import functools
-import json
-import pathlib
-import shutil
 from unittest import mock
 
 import pytest
 
-from tests.e2e.conftest import (PROMPTS, QUANTIZED, check_identical, check_logprobs_close,
-                                engine, expected_replays, hf_greedy, MAX_TOKENS, model_path,
-                                replays, vllm_greedy)
+from tests.e2e.conftest import (PROMPTS, QUANTIZED, broken_export, check_identical,
+                                check_logprobs_close, engine, expected_replays, hf_greedy,
+                                MAX_TOKENS, model_path, replays, vllm_greedy)
 
 EXPORTS = ["qwen3_moe-w8a8-dynamic", "deepseek_v2_moe-w8a8-dynamic"]
 MODES = ["NONE", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]
@@ -89,22 +86,6 @@ def test_a_graph_mode_gives_the_eager_result_exactly(name, mode):
 EXPERT = "model.layers.1.mlp.experts.3"
 
 
-def broken_export(tmp_path, edit) -> str:
-    """A copy of the Qwen3-MoE W8A8_DYNAMIC export with ``edit(tensors, description)``."""
-    import safetensors.torch
-
-    src = pathlib.Path(model_path("qwen3_moe-w8a8-dynamic"))
-    dst = tmp_path / "broken"
-    shutil.copytree(src, dst)
-    weights = next(dst.glob("*.safetensors"))
-    tensors = safetensors.torch.load_file(str(weights))
-    description = json.loads((dst / "quant_model_description.json").read_text())
-    edit(tensors, description)
-    safetensors.torch.save_file(tensors, str(weights), metadata={"format": "pt"})
-    (dst / "quant_model_description.json").write_text(json.dumps(description))
-    return str(dst)
-
-
 def drop_an_experts_scale(tensors, description):
     del tensors[f"{EXPERT}.up_proj.weight_scale"]
 
@@ -133,5 +114,6 @@ def test_a_malformed_expert_export_fails_at_load_naming_the_layer(tmp_path, edit
     from vllm_ascend.quantization.w8a8 import CheckpointError
 
     with pytest.raises(CheckpointError, match=message):
-        with engine(broken_export(tmp_path, edit), enforce_eager=True):
+        with engine(broken_export(tmp_path, "qwen3_moe-w8a8-dynamic", edit),
+                    enforce_eager=True):
             pass
