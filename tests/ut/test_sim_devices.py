@@ -4,6 +4,7 @@ the device, one live process per device; and the worker's binding of DP x TP ran
 import os
 import subprocess
 import sys
+import time
 import types
 
 import pytest
@@ -67,6 +68,28 @@ def test_two_workers_on_one_device_is_an_error(no_context):
         holder.communicate("", timeout=30)
     npu.set_device(3)  # its process is gone: the device is free
     assert npu.devices_in_use()[3] == os.getpid()
+
+
+def test_a_device_is_free_once_its_process_has_exited_even_unreaped(no_context):
+    """vLLM SIGKILLs an engine core that outlives its grace period and does not wait for it; the
+    next engine in the same script must find the device free (CI failed on this at stop 54)."""
+    holder = subprocess.Popen([sys.executable, "-c", "from vllm_ascend.device.sim import npu; "
+                                                     "npu.set_device(3)"])
+    try:
+        deadline = time.monotonic() + 60
+        while _state(holder.pid) != "Z":  # exited, and not reaped: we have not waited
+            assert time.monotonic() < deadline, _state(holder.pid)
+            time.sleep(0.05)
+        assert 3 not in npu.devices_in_use()
+        npu.set_device(3)
+        assert npu.devices_in_use()[3] == os.getpid()
+    finally:
+        holder.wait(timeout=30)
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rpartition(")")[2].split()[0]
 
 
 def test_simulated_nodes_on_one_machine_have_their_own_devices(no_context, monkeypatch):

@@ -576,13 +576,21 @@ def _registry() -> str:
 
 
 def _alive(pid: int) -> bool:
+    """Whether ``pid`` still runs. A process that has exited but not been reaped (a zombie: vLLM
+    SIGKILLs an engine core that outlives its 5 s of grace and never waits for it) holds no
+    device: the driver releases a device when the process's files close, at exit."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rpartition(")")[2].split()[0]  # the field after "(comm)"
+    except (OSError, IndexError):
+        return True  # no /proc: a live pid holds its device
+    return state not in ("Z", "X")
 
 
 def devices_in_use() -> dict[int, int]:
