@@ -231,7 +231,27 @@ def activation_bytes(vllm_config) -> int:
     model, parallel = vllm_config.model_config, vllm_config.parallel_config
     sched = vllm_config.scheduler_config
     sampler = sched.max_num_seqs * model.get_vocab_size() * 4
-    return max(_forward_bytes(model, parallel, sched.max_num_batched_tokens), sampler)
+    forward = _forward_bytes(model, parallel, sched.max_num_batched_tokens)
+    if model.use_mla:
+        from vllm_ascend.attention.mla import prefill_chunk_tokens
+
+        forward += _mla_context_bytes(model, parallel, sched.max_num_batched_tokens,
+                                      prefill_chunk_tokens(vllm_config))
+    return max(forward, sampler)
+
+
+def _mla_context_bytes(model_config, parallel, tokens: int, chunk: int) -> int:
+    """What MLA's prefill adds while it attends to a chunk of cached context (attention/mla.py,
+    reserved by the profile run): the chunk's gathered latent and its keys and values, and the
+    queries' float32 running result, the chunk's result and their merge."""
+    text = model_config.hf_text_config
+    heads = max(model_config.get_num_attention_heads(parallel), 1)
+    head = text.qk_nope_head_dim + text.qk_rope_head_dim
+    per_chunk_token = text.kv_lora_rank + text.qk_rope_head_dim + heads * (
+        text.qk_nope_head_dim + 2 * text.v_head_dim + head)
+    per_query = heads * (head + text.v_head_dim) * model_config.dtype.itemsize + \
+        heads * (3 * text.v_head_dim + 3) * 4
+    return chunk * per_chunk_token * model_config.dtype.itemsize + tokens * per_query
 
 
 def graph_bytes(vllm_config, graphs: GraphPlan, per_layer: int) -> int:

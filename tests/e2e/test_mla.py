@@ -11,7 +11,7 @@ from vllm import SamplingParams
 
 from tests.e2e.conftest import (check_logprobs_close, check_plan, engine, expected_replays,
                                 hf_greedy, MAX_TOKENS, loaded_class, model_path, platform_log,
-                                replays, TOPK, vllm_greedy)
+                                replays, TOPK, vllm_greedy, word_prompt)
 
 CAPTURE_SIZES = [1, 2, 4, 8, 16]
 PROMPTS = ["Hi there", "The capital of France is a city that"]
@@ -65,11 +65,6 @@ def test_mla_generates_close_to_hf_with_graph_replays(mla_llm):
         assert any(FALLBACK in line for line in log), log
 
 
-def long_prompt() -> str:
-    words = ["river", "stone", "light", "seven", "garden", "quiet", "north", "paper", "cloud"]
-    return " ".join(words[(i * 7 + 5) % len(words)] for i in range(300))
-
-
 def test_prefill_with_context_reads_the_latent_cache(mla_llm):
     """A ~300-token prompt is prefilled in 128-token chunks (the later ones attend to the
     earlier ones' latents in the cache), then asked again: vLLM finds its first two blocks in
@@ -78,7 +73,7 @@ def test_prefill_with_context_reads_the_latent_cache(mla_llm):
     if family != "deepseek_v2" or requested != "PIECEWISE":
         pytest.skip("the prefill path is the same in every mode (eager, or between pieces); "
                     "checked in PIECEWISE")
-    prompt = long_prompt()
+    prompt = word_prompt(300)
     assert len(llm.get_tokenizer()(prompt).input_ids) > 2 * MAX_BATCHED
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=TOPK)
     with replays(llm) as made:

@@ -52,11 +52,15 @@ FIA = {"query": tensor(3), "key": tensor(3), "value": tensor(3), "atten_mask": t
 FIA_GRAPH = {**FIA, "pre_tokens": INT, "next_tokens": INT}
 # attention_v1.py:1417-1433: a sliding-window layer's eager call, sparse_mode 4 with its band.
 FIA_BAND = FIA_GRAPH
-# The MLA prefill's FIA v1 call (see the MLA rows below): query, key, value positional.
+# The MLA prefill's FIA v1 calls (see the MLA rows below): query, key, value positional; the
+# new tokens causal, with the LSE when a request has cached context; each context chunk without
+# a mask (mla_v1.py _compute_prefill_context, 1160-1192), with the LSE.
 MLA_PREFILL = ([tensor(3), tensor(3), tensor(3)], {
     "num_heads": INT, "num_key_value_heads": INT, "input_layout": value("TND"),
     "atten_mask": tensor(2, ("int8",)), "sparse_mode": INT, "scale": FLOAT,
     "actual_seq_lengths": HOST_LIST, "actual_seq_lengths_kv": HOST_LIST})
+MLA_PREFILL_LSE = (MLA_PREFILL[0], {**MLA_PREFILL[1], "softmax_lse_flag": value("bool")})
+MLA_CONTEXT_CHUNK = (MLA_PREFILL[0], {**MLA_PREFILL_LSE[1], "atten_mask": value("NoneType")})
 # mla_v1.py _forward_decode's common_kwargs: BNSD without speculative decoding (no mask, no
 # query lengths), the latent cache passed as key and value.
 MLA_FIA = {"query_rope": tensor(4), "key_rope": tensor(4), "num_query_heads": INT,
@@ -106,7 +110,8 @@ GATING = ([tensor(2, ("bfloat16", "float32"))], {
     "group_select_mode": INT, "renorm": INT, "norm_type": INT, "out_flag": value("bool"),
     "routed_scaling_factor": FLOAT, "eps": FLOAT})
 TABLE = {
-    "npu_fused_infer_attention_score": [([], FIA), ([], FIA_BAND), MLA_PREFILL],
+    "npu_fused_infer_attention_score": [([], FIA), ([], FIA_BAND), MLA_PREFILL, MLA_PREFILL_LSE,
+                                        MLA_CONTEXT_CHUNK],
     "_npu_fused_infer_attention_score_get_max_workspace": ([], FIA_GRAPH),
     "npu_fused_infer_attention_score.out": ([], {
         **FIA_GRAPH, "workspace": tensor(1),
@@ -137,9 +142,13 @@ TABLE = {
     # rope_single (1361-1371), the decode FIA as _forward_decode (1373-1577: eager, workspace,
     # capture) and its update (update_graph_params, 845-864), the value up-projection as
     # _v_up_proj (869-876). Upstream's prefill calls FIA v1 with the rope parts apart and
-    # softmax_lse_flag=True, to merge context chunks by their LSE; the Ascend MLA prefill
-    # attends over whole sequences (attention/mla.py), with query/key heads of 192 (upstream's
-    # head-padding variant, 1271-1273) and no LSE.
+    # softmax_lse_flag=True, to merge context chunks by their LSE (npu_attention_update, 1197,
+    # all chunks at once with update_type 0); the Ascend MLA prefill merges each chunk into a
+    # running result (update_type 1), with query/key heads of 192 (upstream's head-padding
+    # variant, 1271-1273).
+    "npu_attention_update": ([lambda d: isinstance(d, list) and all(
+        tensor(1, ("float32",))(x) for x in d), lambda d: isinstance(d, list) and all(
+        tensor(2, ("float32",))(x) for x in d), INT], {}),
     "npu_kv_rmsnorm_rope_cache": ([tensor(4), tensor(1), tensor(4), tensor(4),
                                    tensor(1, ("int64",)), tensor(4), tensor(4)],
                                   {"c_kv_scale": value("NoneType"), "epsilon": FLOAT,

@@ -54,3 +54,42 @@ def test_a_layer_with_sinks_runs_fia_v2_with_learnable_sink_in_v2s_names():
     assert impl().fia is torch_npu.npu_fused_infer_attention_score
     with pytest.raises(ValueError, match="--dtype bfloat16"):
         impl(sinks=torch.zeros(4, dtype=torch.float16))
+
+
+def test_mla_context_is_cut_into_chunks_of_the_requests_that_have_some():
+    """Three prefill requests with 5, 0 and 4 tokens of cached context, chunks of 4: each chunk
+    lists the requests it covers (never one with no context in it), their query rows, and the
+    cache slots of its tokens in order."""
+    import numpy as np
+
+    from vllm_ascend.attention.mla import AscendMLAMetadataBuilder
+
+    builder = object.__new__(AscendMLAMetadataBuilder)  # the two settings it reads
+    builder.block_size, builder.chunk_tokens = 4, 4
+    tables = torch.tensor([[7, 3, 0], [5, 0, 0], [2, 9, 0]], dtype=torch.int32)
+    q_cu = np.array([0, 2, 5, 6])  # query lengths 2, 3, 1
+    context = np.array([5, 0, 4])
+    chunks = builder._context_chunks(tables, q_cu, context)
+    assert [c.kv_lens_cu for c in chunks] == [[4], [1, 4], [1]]
+    assert [c.query_lens_cu for c in chunks] == [[2], [2, 3], [1]]
+    assert [c.query_rows.tolist() for c in chunks] == [[0, 1], [0, 1, 5], [5]]
+    slots = torch.cat([c.slots for c in chunks]).tolist()
+    assert slots == [28, 29, 30, 31, 12] + [8, 9, 10, 11]  # blocks 7, 3 | block 2
+    # The query tokens' own positions follow their context's, from the same table rows.
+    new = builder._slots(tables, context, np.diff(q_cu)).tolist()
+    assert new == [13, 14] + [20, 21, 22] + [36]  # block 3 | block 5 | block 9
+
+
+@pytest.mark.parametrize("value", [0, -4, 2.5, "8", True])
+def test_a_bad_mla_chunk_size_is_refused_with_the_setting_named(value):
+    import types
+
+    from vllm_ascend.attention.mla import prefill_chunk_tokens
+
+    config = types.SimpleNamespace(
+        additional_config={"mla_prefill_chunk_tokens": value},
+        scheduler_config=types.SimpleNamespace(max_num_batched_tokens=256))
+    with pytest.raises(ValueError, match="mla_prefill_chunk_tokens=.* must be an integer >= 1"):
+        prefill_chunk_tokens(config)
+    config.additional_config = None
+    assert prefill_chunk_tokens(config) == 256

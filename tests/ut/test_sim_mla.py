@@ -231,6 +231,103 @@ def test_fia_v1_takes_mla_prefill_heads_192_and_128_in_bfloat16_only():
                                                   v[..., :64].contiguous().to(BF16), **kwargs)
 
 
+def _prefill_inputs(seed, q_lens, kv_lens, heads=2):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(sum(q_lens), heads, 192, generator=g).to(BF16)
+    k = torch.randn(sum(kv_lens), heads, 192, generator=g).to(BF16)
+    v = torch.randn(sum(kv_lens), heads, 128, generator=g).to(BF16)
+    return q, k, v
+
+
+def _cu(lens):
+    return torch.tensor(lens).cumsum(0).tolist()
+
+
+def test_fia_v1_softmax_lse_is_each_rows_log_sum_exp_in_tnd():
+    """softmax_lse_flag: float32 [T, N, 1], the log-sum-exp of the row's scaled scores over the
+    keys it attends to (causal from the bottom right in mode 3, all of them in mode 0); the
+    output is the same with the flag on or off."""
+    q_lens, kv_lens, scale = [3, 2], [5, 2], 0.07
+    q, k, v = _prefill_inputs(5, q_lens, kv_lens)
+    for mode, mask in ((3, MASK), (0, None)):
+        if mode == 0:
+            kv_lens = [4, 6]
+            q, k, v = _prefill_inputs(6, q_lens, kv_lens)
+        kwargs = dict(num_heads=2, num_key_value_heads=2, input_layout="TND", atten_mask=mask,
+                      sparse_mode=mode, scale=scale, actual_seq_lengths=_cu(q_lens),
+                      actual_seq_lengths_kv=_cu(kv_lens))
+        out, lse = torch_npu.npu_fused_infer_attention_score(q, k, v, softmax_lse_flag=True,
+                                                             **kwargs)
+        plain, _ = torch_npu.npu_fused_infer_attention_score(q, k, v, **kwargs)
+        assert lse.shape == (5, 2, 1) and lse.dtype == torch.float32
+        assert torch.equal(out, plain)
+        q0 = k0 = 0
+        for ql, kl in zip(q_lens, kv_lens):
+            scores = torch.einsum("qnd,knd->nqk", q[q0:q0 + ql].float(),
+                                  k[k0:k0 + kl].float()) * scale
+            if mode == 3:
+                scores += torch.full((ql, kl), float("-inf")).triu(kl - ql + 1)
+            expected = torch.logsumexp(scores, -1).t()
+            torch.testing.assert_close(lse[q0:q0 + ql, :, 0], expected, rtol=1e-5, atol=1e-5)
+            q0, k0 = q0 + ql, k0 + kl
+
+
+def test_fia_v1_softmax_lse_contract():
+    q, k, v = _prefill_inputs(7, [2, 2], [2, 2])
+    kwargs = dict(num_heads=2, num_key_value_heads=2, input_layout="TND", atten_mask=None,
+                  sparse_mode=0, scale=0.1, actual_seq_lengths=[2, 4], softmax_lse_flag=True)
+    with pytest.raises(AscendOpError, match="actualSeqLengthsKv 0: its LSE is not defined"):
+        torch_npu.npu_fused_infer_attention_score(q, k[:2], v[:2], actual_seq_lengths_kv=[2, 2],
+                                                  **kwargs)
+    with pytest.raises(AscendOpError, match="without paging and in sparse_mode 0 or 3 only"):
+        torch_npu.npu_fused_infer_attention_score(
+            q, k, v, actual_seq_lengths_kv=[2, 4], **dict(kwargs, sparse_mode=4,
+                                                          atten_mask=MASK))
+
+
+def test_attention_update_merges_partial_results_by_their_lse():
+    """aclnnAttentionUpdate's formula: O = sum_i O_i exp(lse_i - lse_m), lse_m = log sum_i
+    exp(lse_i); update_type 1 returns lse_m. Merging a causal attention over the new tokens with
+    mode-0 attention over the context, chunk by chunk, gives the attention over the whole
+    sequence (the Ascend MLA prefill)."""
+    ctx, new, scale = 7, 4, 0.08
+    q, k, v = _prefill_inputs(8, [new], [ctx + new])
+    common = dict(num_heads=2, num_key_value_heads=2, input_layout="TND", scale=scale)
+    whole, _ = torch_npu.npu_fused_infer_attention_score(
+        q, k, v, atten_mask=MASK, sparse_mode=3, actual_seq_lengths=[new],
+        actual_seq_lengths_kv=[ctx + new], **common)
+    out, lse = torch_npu.npu_fused_infer_attention_score(
+        q, k[ctx:], v[ctx:], atten_mask=MASK, sparse_mode=3, actual_seq_lengths=[new],
+        actual_seq_lengths_kv=[new], softmax_lse_flag=True, **common)
+    out, lse = out.float().view(-1, 128), lse.view(-1)
+    for lo, hi in ((0, 4), (4, 7)):
+        part, part_lse = torch_npu.npu_fused_infer_attention_score(
+            q, k[lo:hi], v[lo:hi], atten_mask=None, sparse_mode=0, actual_seq_lengths=[new],
+            actual_seq_lengths_kv=[hi - lo], softmax_lse_flag=True, **common)
+        out, lse = torch_npu.npu_attention_update((lse, part_lse.view(-1)),
+                                                  (out, part.float().view(-1, 128)), 1)
+    torch.testing.assert_close(out.view(new, 2, 128).to(BF16), whole, rtol=0.02, atol=0.02)
+    merged, none = torch_npu.npu_attention_update((lse, lse), (out, out), 0)
+    assert none.numel() == 0
+    torch.testing.assert_close(merged, out)  # two equal halves: the same result
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda l, o: ([x.double() for x in l], o), r"lse\[0\] must be float32"),
+    (lambda l, o: (l, [x[:, :6].contiguous() for x in o]), "multiple of 8"),
+    (lambda l, o: (l, [x.t().contiguous().t() for x in o]), "must be contiguous"),
+    (lambda l, o: (l * 9, o * 9), r"sp in \[1, 16\]"),
+    (lambda l, o: (l, [o[0], o[1].half()]), "float32, float16 or bfloat16"),
+    (lambda l, o: (l, [o[0], o[1][:5]]), r"localOut\[1\] must be \[6, 16\]"),
+])
+def test_attention_update_contract(change, message):
+    lse, out = change([torch.zeros(6)] * 2, [torch.zeros(6, 16)] * 2)
+    with pytest.raises(AscendOpError, match=message):
+        torch_npu.npu_attention_update(lse, out, 1)
+    with pytest.raises(AscendOpError, match="updateType must be 0 or 1"):
+        torch_npu.npu_attention_update([torch.zeros(6)] * 2, [torch.zeros(6, 16)] * 2, 2)
+
+
 def test_fia_v2_in_a_graph_replays_each_steps_lengths_after_its_task_update():
     """The MLA backend's FULL-graph protocol (attention/mla.py): the .out call in a task group
     after an ExternalEvent wait; each step re-issues the KV lengths on the update stream."""

@@ -15,13 +15,15 @@ which is what ``npu_kv_rmsnorm_rope_cache`` writes and FIA reads.
   latent result to the value heads (``npu_transpose_batchmatmul`` with ``W_UV``). In a FULL graph
   the FIA call is captured as the dense backend's is, and its host lists are re-issued before
   each replay.
-* Prefill gathers each request's whole latent sequence from the cache (earlier chunks and
-  prefix-cache hits included), up-projects it with ``kv_b_proj`` and runs FIA in TND over
-  query/key heads of nope + rope dims (the prefill backend below). Upstream runs the new tokens
-  and each context chunk separately and merges them with their softmax LSE; one call over the
-  whole sequence with the bottom-right causal mask gives the same attention.
+* Prefill up-projects the new tokens' latent with ``kv_b_proj`` and runs FIA in TND over
+  query/key heads of nope + rope dims, causal (the prefill backend below). A request's cached
+  context (earlier chunks of its prompt, prefix-cache hits) is attended to in chunks of at most
+  ``chunk_tokens`` tokens over the step's prefill requests, each gathered and up-projected on
+  its own, and merged into the running result by the softmax LSE (``npu_attention_update``),
+  as upstream does: the prefill's memory depends on the chunk size, not on the context length.
 """
 
+import contextlib
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -45,6 +47,39 @@ from vllm_ascend.compilation.acl_graph import GRAPH_STATE
 from vllm_ascend.device import torch_npu
 
 BACKEND_NAME = "ASCEND_MLA"
+CHUNK_SETTING = "mla_prefill_chunk_tokens"  # additional_config
+# FIA in TND with query/key head dim 192 and value 128 takes bfloat16 only (upstream's
+# _forward_prefill casts).
+PREFILL_DTYPE = torch.bfloat16
+
+
+_PROFILING = [False]
+
+
+@contextlib.contextmanager
+def profiling_prefill():
+    """vLLM's profile run: MLA layers reserve their prefill's memory (AscendMLAImpl.
+    reserve_prefill) where other dummy runs attend to nothing."""
+    _PROFILING[0] = True
+    try:
+        yield
+    finally:
+        _PROFILING[0] = False
+
+
+def is_profiling_prefill() -> bool:
+    return _PROFILING[0]
+
+
+def prefill_chunk_tokens(vllm_config) -> int:
+    """The most context tokens a prefill step gathers and up-projects at once: the scheduler's
+    token budget (what the step's new tokens may take), unless additional_config sets it."""
+    value = (vllm_config.additional_config or {}).get(
+        CHUNK_SETTING, vllm_config.scheduler_config.max_num_batched_tokens)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"additional_config {CHUNK_SETTING}={value!r} must be an integer >= 1 "
+                         "(context tokens an MLA prefill attends to at once)")
+    return value
 
 
 @dataclass
@@ -56,10 +91,20 @@ class MLADecodeMetadata:
 
 
 @dataclass
+class ContextChunk:
+    """At most chunk_tokens tokens of the prefill requests' cached context, in request order;
+    the requests it covers each have at least one token in it."""
+    slots: torch.Tensor  # int64 cache slots of its tokens
+    query_rows: torch.Tensor  # int64: the covered requests' query tokens among the prefill's
+    query_lens_cu: list[int]  # their cumulative query lengths (host)
+    kv_lens_cu: list[int]  # their tokens in this chunk, cumulative (host)
+
+
+@dataclass
 class MLAPrefillMetadata:
     query_lens_cu: list[int]  # cumulative query lengths of the prefill requests (host)
-    kv_lens_cu: list[int]  # cumulative KV lengths (host): whole sequences
-    kv_slots: torch.Tensor  # int64 cache slots of every prefill request's whole sequence
+    new_slots: torch.Tensor  # int64 cache slots of their query tokens' positions
+    chunks: list[ContextChunk]  # their cached context; none when no request has any
     atten_mask: torch.Tensor
 
 
@@ -87,6 +132,7 @@ class AscendMLAMetadataBuilder(AscendAttentionMetadataBuilder):
         spec = vllm_config.speculative_config  # a verify step's requests are decodes too
         self._init_reorder_batch_threshold(1 + (spec.num_speculative_tokens if spec else 0))
         self.block_size = kv_cache_spec.block_size
+        self.chunk_tokens = prefill_chunk_tokens(vllm_config)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> AscendMLAMetadata:
@@ -108,28 +154,56 @@ class AscendMLAMetadataBuilder(AscendAttentionMetadataBuilder):
                 actual_seq_lengths_q=cu_q[1: num_decodes + 1].tolist(),
                 atten_mask=self.atten_mask)
         if num_prefills:
-            lens = kv_lens[num_decodes:n].numpy().astype(np.int64)
-            starts = np.cumsum(lens) - lens
-            req = np.repeat(np.arange(num_prefills), lens)
-            pos = np.arange(lens.sum()) - np.repeat(starts, lens)
-            req_t = torch.from_numpy(req).to(tables.device) + num_decodes
-            pos_t = torch.from_numpy(pos).to(tables.device)
-            blocks = tables[req_t, pos_t // self.block_size].to(torch.int64)
-            q0 = int(cu_q[num_decodes])
+            q_cu = (cu_q[num_decodes: n + 1] - cu_q[num_decodes]).numpy().astype(np.int64)
+            context = kv_lens[num_decodes:n].numpy().astype(np.int64) - np.diff(q_cu)
+            tables = tables[num_decodes:n]
             prefill = MLAPrefillMetadata(
-                query_lens_cu=(cu_q[num_decodes + 1: n + 1] - q0).tolist(),
-                kv_lens_cu=np.cumsum(lens).tolist(),
-                kv_slots=blocks * self.block_size + pos_t % self.block_size,
+                query_lens_cu=q_cu[1:].tolist(),
+                new_slots=self._slots(tables, context, np.diff(q_cu)),
+                chunks=self._context_chunks(tables, q_cu, context),
                 atten_mask=self.atten_mask)
         return AscendMLAMetadata(
             num_actual_tokens=cam.num_actual_tokens, num_decodes=num_decodes,
             num_decode_tokens=num_decode_tokens, num_prefills=num_prefills, decode=decode,
             prefill=prefill)
 
+    def _slots(self, tables: torch.Tensor, starts: np.ndarray, lens: np.ndarray):
+        """The int64 cache slots of positions starts[i] .. starts[i] + lens[i] - 1 of each
+        request i, in order, from its block table row. (Read by position, not from the step's
+        slot mapping: a token that writes nothing, slot -1, still has its position's slot.)"""
+        req = np.repeat(np.arange(len(lens)), lens)
+        pos = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens) + starts[req]
+        req_t, pos_t = (torch.from_numpy(x).to(tables.device) for x in (req, pos))
+        blocks = tables[req_t, pos_t // self.block_size].to(torch.int64)
+        return blocks * self.block_size + pos_t % self.block_size
+
+    def _context_chunks(self, tables: torch.Tensor, q_cu: np.ndarray,
+                        context: np.ndarray) -> list[ContextChunk]:
+        """The prefill requests' cached context (``context[i]`` tokens before request i's
+        queries), cut into chunks of at most chunk_tokens tokens."""
+        total = int(context.sum())
+        if not total:
+            return []
+        dev = tables.device
+        ctx_cu = np.concatenate(([0], np.cumsum(context)))
+        slots = self._slots(tables, np.zeros_like(context), context)
+        chunks = []
+        for lo in range(0, total, self.chunk_tokens):
+            hi = min(lo + self.chunk_tokens, total)
+            taken = np.minimum(ctx_cu[1:], hi) - np.maximum(ctx_cu[:-1], lo)
+            covered = np.flatnonzero(taken > 0)
+            q_lens = q_cu[covered + 1] - q_cu[covered]
+            rows = np.concatenate([np.arange(q_cu[r], q_cu[r + 1]) for r in covered])
+            chunks.append(ContextChunk(
+                slots=slots[lo:hi], query_rows=torch.from_numpy(rows).to(dev),
+                query_lens_cu=np.cumsum(q_lens).tolist(),
+                kv_lens_cu=np.cumsum(taken[covered]).tolist()))
+        return chunks
+
 
 class AscendMLAPrefillBackend(MLAPrefillBackend):
     """vLLM's MLA prefill hook (Platform.get_mla_prefill_backend_cls): FIA in TND over the
-    prefill requests' new query tokens and their whole key/value sequences."""
+    prefill requests' new tokens, and over each chunk of their cached context."""
 
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16]
 
@@ -141,23 +215,40 @@ class AscendMLAPrefillBackend(MLAPrefillBackend):
         self.metadata = prefill_metadata
 
     def run_prefill_new_tokens(self, q, k, v, return_softmax_lse: bool):
-        if return_softmax_lse:
-            raise ValueError("the Ascend MLA prefill attends over whole sequences and returns "
-                             "no softmax LSE to merge")
+        """The new tokens over themselves, causal; with their LSE [T, N, 1] when asked."""
         m = self.metadata
-        # FIA in TND with query/key head dim 192 and value 128 takes bfloat16 only
-        # (upstream's _forward_prefill casts).
-        dtype = q.dtype
-        q, k, v = (t.to(torch.bfloat16).contiguous() for t in (q, k, v))
-        out, _ = torch_npu.npu_fused_infer_attention_score(
-            q, k, v, num_heads=q.shape[1], num_key_value_heads=k.shape[1], input_layout="TND",
-            atten_mask=m.atten_mask, sparse_mode=CAUSAL, scale=self.scale,
-            actual_seq_lengths=m.query_lens_cu, actual_seq_lengths_kv=m.kv_lens_cu)
-        return out.to(dtype)
+        out, lse = self._attend(q, k, v, atten_mask=m.atten_mask, sparse_mode=CAUSAL,
+                                actual_seq_lengths=m.query_lens_cu,
+                                actual_seq_lengths_kv=m.query_lens_cu,
+                                softmax_lse_flag=return_softmax_lse)
+        return (out, lse) if return_softmax_lse else out
 
-    def run_prefill_context_chunk(self, chunk_idx, q, k, v):
-        raise ValueError("the Ascend MLA prefill has no context chunks: run_prefill_new_tokens "
-                         "attends over each request's whole sequence")
+    def run_prefill_context_chunk(self, chunk: ContextChunk, q, k, v):
+        """The chunk's requests' query tokens over their context in it: all of it lies before
+        them, so no mask (upstream's sparse_mode 0); with their LSE."""
+        return self._attend(q, k, v, atten_mask=None, sparse_mode=0,
+                            actual_seq_lengths=chunk.query_lens_cu,
+                            actual_seq_lengths_kv=chunk.kv_lens_cu, softmax_lse_flag=True)
+
+    def _attend(self, q, k, v, **kwargs):
+        # q, k and v come in PREFILL_DTYPE, contiguous (AscendMLAImpl._up_project).
+        return torch_npu.npu_fused_infer_attention_score(
+            q, k, v, num_heads=q.shape[1], num_key_value_heads=k.shape[1], input_layout="TND",
+            scale=self.scale, **kwargs)
+
+
+class _ZeroAttention:
+    """The profile run's stand-in for the prefill backend: zeros of FIA's output shapes."""
+
+    def __init__(self, num_heads: int, v_head_dim: int):
+        self.shape = (num_heads, v_head_dim)
+
+    def run_prefill_new_tokens(self, q, k, v, return_softmax_lse: bool):
+        return self.run_prefill_context_chunk(None, q, k, v)
+
+    def run_prefill_context_chunk(self, chunk, q, k, v):
+        return (q.new_zeros(q.shape[0], *self.shape, dtype=torch.bfloat16),
+                q.new_zeros(q.shape[0], self.shape[0], 1, dtype=torch.float32))
 
 
 class AscendMLAImpl(MLAAttentionImpl):
@@ -185,7 +276,9 @@ class AscendMLAImpl(MLAAttentionImpl):
         # FIA's MLA path takes a power-of-two head count: pad the query heads, as upstream.
         self.num_heads_padded = 1 << (num_heads - 1).bit_length()
         # Speculative decoding's verify steps have several tokens a request: TND, as upstream.
-        self.speculative = get_current_vllm_config().speculative_config is not None
+        config = get_current_vllm_config()
+        self.speculative = config.speculative_config is not None
+        self.chunk_tokens = prefill_chunk_tokens(config)  # what the profile run reserves
         self.dcp_world_size = 1
 
     def forward_mqa(self, q, kv_c_and_k_pe_cache, attn_metadata, layer):
@@ -235,20 +328,74 @@ class AscendMLAImpl(MLAAttentionImpl):
             output[:nd].copy_(out)
         if m.num_prefills:
             kv_write(nd, na)
-            p = m.prefill
-            # Each prefill request's whole sequence, context included, from the caches.
-            latent = nope_cache.view(-1, self.kv_lora_rank).index_select(0, p.kv_slots)
-            k_pe = rope_cache.view(-1, self.qk_rope_head_dim).index_select(0, p.kv_slots)
-            kv = self.kv_b_proj(latent)[0].view(-1, self.num_heads,
-                                                self.qk_nope_head_dim + self.v_head_dim)
-            k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
-            k = torch.cat((k_nope, k_pe.unsqueeze(1).expand(-1, self.num_heads, -1)), dim=-1)
-            qp = torch.cat((q[nd:na, :, : self.qk_nope_head_dim], q_rope(nd, na)), dim=-1)
-            layer.prefill_backend.prepare_metadata(p)
-            out = layer.prefill_backend.run_prefill_new_tokens(qp, k, v, False)
+            backend = layer.prefill_backend
+            backend.prepare_metadata(m.prefill)
+            qp = torch.cat((q[nd:na, :, : self.qk_nope_head_dim], q_rope(nd, na)),
+                           dim=-1).to(PREFILL_DTYPE)
+
+            def up_project(cache_slots):
+                return self._up_project(
+                    nope_cache.view(-1, self.kv_lora_rank).index_select(0, cache_slots),
+                    rope_cache.view(-1, self.qk_rope_head_dim).index_select(0, cache_slots))
+
+            out = self._prefill(backend, qp, up_project(m.prefill.new_slots),
+                                m.prefill.chunks, lambda chunk: up_project(chunk.slots))
             output[nd:na].copy_(out.reshape(na - nd, -1))
         if na < output.shape[0]:
             output[na:].zero_()  # padding tokens of a PIECEWISE step
+
+    def _up_project(self, latent, k_pe) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens' normed latent [S, L] and roped key part [S, R] -> their keys
+        [S, N, nope + rope] and values [S, N, V], contiguous, in PREFILL_DTYPE."""
+        kv = self.kv_b_proj(latent)[0].view(-1, self.num_heads,
+                                            self.qk_nope_head_dim + self.v_head_dim)
+        k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        k = torch.cat((k_nope, k_pe.unsqueeze(1).expand(-1, self.num_heads, -1)), -1)
+        return k.to(PREFILL_DTYPE), v.to(PREFILL_DTYPE).contiguous()
+
+    def _prefill(self, backend, qp, new_kv, chunks: list[ContextChunk], context):
+        """Attention of the prefill's queries ``qp`` [T, N, nope + rope] over their new tokens
+        and, chunk by chunk, their context (``context(chunk)`` up-projects one), merged by
+        the softmax LSE in float32 as upstream -> [T, N, V] (bfloat16, float32 if merged)."""
+        if not chunks:
+            return backend.run_prefill_new_tokens(qp, *new_kv, False)
+        out, lse = backend.run_prefill_new_tokens(qp, *new_kv, True)
+        del new_kv
+        out, lse = out.float(), lse.view(qp.shape[:2])  # [T, N, V] and [T, N] float32
+        for chunk in chunks:
+            self._merge_context_chunk(backend, chunk, qp, out, lse, *context(chunk))
+        return out
+
+    def _merge_context_chunk(self, backend, chunk: ContextChunk, qp, out, lse, k, v) -> None:
+        """The chunk's requests' queries over its keys ``k`` and values ``v``, merged into
+        their rows of the running result ``out`` [T, N, V] and ``lse`` [T, N] (float32). What
+        it allocates lives until it returns: every chunk's peak is the same, one chunk's."""
+        rows = chunk.query_rows
+        part, part_lse = backend.run_prefill_context_chunk(chunk, qp.index_select(0, rows), k, v)
+        merged, merged_lse = torch_npu.npu_attention_update(
+            (lse.index_select(0, rows).view(-1), part_lse.view(-1)),
+            (out.index_select(0, rows).view(-1, self.v_head_dim),
+             part.float().view(-1, self.v_head_dim)), 1)
+        out.index_copy_(0, rows, merged.view(-1, self.num_heads, self.v_head_dim))
+        lse.index_copy_(0, rows, merged_lse.view(-1, self.num_heads))
+
+    def reserve_prefill(self, q: torch.Tensor) -> None:
+        """vLLM's profile run builds no attention metadata. So that the peak it measures (and
+        the KV cache leaves room for) holds the prefill's tensors, a step of q's tokens with a
+        whole chunk of context runs through the prefill on zeros: the up-projections, the
+        running result and the merge; attention's own results are zeros of FIA's shapes."""
+        t, n, dv, c = q.shape[0], self.num_heads, self.v_head_dim, self.chunk_tokens
+
+        def up_project(tokens):
+            return self._up_project(q.new_zeros(tokens, self.kv_lora_rank),
+                                    q.new_zeros(tokens, self.qk_rope_head_dim))
+
+        rows = torch.arange(t, device=q.device)
+        chunk = ContextChunk(slots=rows, query_rows=rows, query_lens_cu=[t], kv_lens_cu=[c])
+        qp = q.new_zeros(t, n, self.qk_nope_head_dim + self.qk_rope_head_dim,
+                         dtype=PREFILL_DTYPE)
+        self._prefill(_ZeroAttention(n, dv), qp, up_project(t), [chunk],
+                      lambda _chunk: up_project(c))
 
     def _forward_decode(self, layer, ql_nope, q_pe, k_nope, k_pe, decode: MLADecodeMetadata):
         tokens = ql_nope.shape[0]

@@ -11,10 +11,12 @@ attention output for ``o_proj``: attention/mla.py's AscendMLAImpl.forward.
 import torch
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention import MLAAttention
+from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 from vllm.model_executor.layers.mla import MultiHeadLatentAttentionWrapper
 from vllm.model_executor.utils import replace_parameter
 from vllm.utils.torch_utils import direct_register_custom_op
 
+from vllm_ascend.attention.mla import is_profiling_prefill
 from vllm_ascend.ops.qkv import StepRope
 
 
@@ -44,6 +46,11 @@ class AscendMultiHeadLatentAttention(MultiHeadLatentAttentionWrapper):
         super().__init__(hidden_size, num_heads, scale, qk_nope_head_dim, qk_rope_head_dim,
                          v_head_dim, q_lora_rank, kv_lora_rank, mla_modules, cache_config,
                          quant_config, prefix, **kwargs)
+        if not isinstance(self.kv_b_proj.quant_method, UnquantizedLinearMethod):
+            raise NotImplementedError(
+                f"{prefix}.kv_b_proj is {type(self.kv_b_proj.quant_method).__name__} in this "
+                "checkpoint: vllm-ascend takes DeepSeek's kv_b_proj unquantized, as upstream "
+                "does (its W_UK and W_UV are split from it); export it FLOAT")
         self.mla_attn.__class__ = AscendMLAAttention  # adds no state: see above
         config = self.mla_attn._vllm_config
         # The step's cos/sin rows, in the half layout the interleave-rope operators take; the
@@ -86,7 +93,9 @@ def ascend_mla_attention(q: torch.Tensor, kv_no_split: torch.Tensor, output: tor
     if isinstance(metadata, list):  # micro-batches are not used on Ascend
         raise NotImplementedError("micro-batched MLA is not supported")
     metadata = metadata.get(attn.layer_name) if metadata else None
-    if metadata is None:  # profiling run: nothing to attend to
+    if metadata is None:  # a dummy run: nothing to attend to
+        if is_profiling_prefill():
+            attn.impl.reserve_prefill(q)
         output.fill_(0)
         return
     t = q.shape[0]

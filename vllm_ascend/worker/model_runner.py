@@ -18,6 +18,7 @@ from vllm.v1.worker.utils import bind_kv_cache
 from vllm.v1.worker.workspace import lock_workspace
 
 from vllm_ascend import device
+from vllm_ascend.attention.mla import profiling_prefill
 from vllm_ascend.compilation.acl_graph import GRAPH_STATE, ACLGraphWrapper, GraphHooks, GraphState
 from vllm_ascend.device import torch_npu
 from vllm_ascend.logger import get_logger
@@ -206,6 +207,12 @@ class NPUModelRunner(GPUModelRunner):
             used / (1 << 30), streams if streams is not None else f"{graphs} (one per graph)",
             backend.stream_budget())
         return used
+
+    def profile_run(self, randomize_inputs: bool = False) -> None:
+        # vLLM's profile run builds no attention metadata: MLA layers reserve their prefill's
+        # memory meanwhile (AscendMLAImpl.reserve_prefill).
+        with profiling_prefill():
+            super().profile_run(randomize_inputs)
 
     def profile_cudagraph_memory(self) -> int:
         """What the graphs will hold, measured before the KV cache takes the device, as vLLM's

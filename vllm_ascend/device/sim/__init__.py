@@ -135,6 +135,11 @@ def _npu_fused_infer_attention_score_v2_get_max_workspace(query, key, value, **k
 npu_interleave_rope = torch.ops.ascend_sim.npu_interleave_rope
 
 
+def npu_attention_update(lse, local_out, update_type):
+    # torch_npu takes any sequence of tensors (upstream passes tuples).
+    return torch.ops.ascend_sim.npu_attention_update(list(lse), list(local_out), update_type)
+
+
 def npu_kv_rmsnorm_rope_cache(kv, gamma, cos, sin, index, k_cache, ckv_cache, *,
                               k_rope_scale=None, c_kv_scale=None, k_rope_offset=None,
                               c_kv_offset=None, epsilon=1e-5, cache_mode="Norm",

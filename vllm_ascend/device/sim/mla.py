@@ -421,3 +421,44 @@ _lib.impl("npu_fused_infer_attention_score_v2",
           kernel("npu_fused_infer_attention_score_v2", _sampling(_fia_v2_impl)), "CPU")
 _lib.impl("npu_fused_infer_attention_score_v2.out",
           kernel("npu_fused_infer_attention_score_v2.out", _sampling(_fia_v2_out_impl)), "CPU")
+
+
+# -- npu_attention_update -------------------------------------------------------------------------
+# Merges partial attention results by their softmax LSE (aclnnAttentionUpdate; upstream's MLA
+# prefill merges its context chunks with it). Contract: docs/torch_npu_calls.md.
+
+_lib.define("npu_attention_update(Tensor[] lse, Tensor[] local_out, int update_type) -> "
+            "(Tensor, Tensor)")
+ATTENTION_UPDATE_MAX_SP = 16  # the doc's sp range [1, 16]
+
+
+def _attention_update_impl(lse, local_out, update_type):
+    err = _error("npu_attention_update", "aclnnAttentionUpdate")
+    if update_type not in (0, 1):
+        raise err(PARAM_INVALID, f"updateType must be 0 or 1, got {update_type}")
+    if not 1 <= len(lse) <= ATTENTION_UPDATE_MAX_SP or len(lse) != len(local_out):
+        raise err(PARAM_INVALID, f"lse and localOut must be lists of the same length sp in "
+                  f"[1, {ATTENTION_UPDATE_MAX_SP}], got {len(lse)} and {len(local_out)}")
+    rows, d = local_out[0].shape if local_out[0].dim() == 2 else (-1, -1)
+    for i, (l, o) in enumerate(zip(lse, local_out)):
+        _require_contiguous(err, **{f"lse[{i}]": l, f"localOut[{i}]": o})
+        if l.dtype != torch.float32 or l.dim() != 1 or l.shape[0] != rows:
+            raise err(PARAM_INVALID, f"lse[{i}] must be float32 [batch * seqLen * headNum] = "
+                      f"[{rows}], got {l.dtype} {list(l.shape)}")
+        if o.dim() != 2 or list(o.shape) != [rows, d] or o.dtype != local_out[0].dtype or \
+                o.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise err(PARAM_INVALID, f"localOut[{i}] must be [{rows}, {d}] of one dtype, "
+                      f"float32, float16 or bfloat16, got {o.dtype} {list(o.shape)}")
+    if not (8 <= d <= 512 and d % 8 == 0):
+        raise err(PARAM_INVALID, f"headDim must be a multiple of 8 in [8, 512], got {d}")
+    stacked = torch.stack([l.float() for l in lse])  # [sp, rows]
+    lse_m = torch.logsumexp(stacked, 0)
+    weights = torch.exp(stacked - lse_m)[..., None]  # exp(lse_i - lse_m)
+    out = sum(w * o.float() for w, o in zip(weights, local_out))
+    # update_type 0: the chip leaves lse_out undefined (None from torch_npu); here empty.
+    lse_out = lse_m if update_type == 1 else lse_m.new_empty(0)
+    return out.to(local_out[0].dtype), lse_out
+
+
+_lib.impl("npu_attention_update",
+          kernel("npu_attention_update", _sampling(_attention_update_impl)), "CPU")

@@ -194,10 +194,12 @@ def check_fia(query, key, value, atten_mask, actual_seq_lengths, actual_seq_leng
         # next_tockens取值"), so a band asked for there is silently not applied: refused here.
         raise err(TILING_ERROR, f"pre_tokens/next_tokens ({pre_tokens}, {next_tokens}) "
                   f"are ignored in sparse_mode {sparse_mode}: a band takes sparse_mode 4")
-    if sparse_mode == 0 and any(q > 1 for q in q_lens):
-        # Without a mask every query token sees every key: not causal for prefill.
-        raise err(TILING_ERROR, "sparse_mode 0 (no mask) with a query length > 1 is "
-                  "not causal; use sparse_mode 3 with the causal mask")
+    if sparse_mode == 0 and block_table is not None and any(q > 1 for q in q_lens):
+        # Without a mask every query token sees every key. Upstream uses that without paging
+        # only (a non-causal model's prefill, MLA's context chunks, which lie before every
+        # query); on the paged cache a request's KV holds its own query tokens: not causal.
+        raise err(TILING_ERROR, "sparse_mode 0 (no mask) with a query length > 1 over the "
+                  "paged cache is not causal; use sparse_mode 3 with the causal mask")
     kv = list(actual_seq_lengths_kv)
     if block_table is None:
         # F4: without paged attention KV is TND like the query, lengths cumulative.
@@ -461,13 +463,15 @@ def _attend_padded(query, key, value, block_table, actual_seq_lengths_kv, batch_
     j = torch.arange(max_kv, device=dev)[None, None, :]
     qpos = (kv_len_t - torch.tensor(q_lens, device=dev)[:, None, None]
             + torch.arange(max_q, device=dev)[None, :, None])
-    allowed = (j < kv_len_t) & ((j <= qpos) if sparse_mode == 3 else True)
+    allowed = (j < kv_len_t).expand(-1, max_q, -1)  # mode 0: every key (no paging)
+    if sparse_mode == 3:
+        allowed = allowed & (j <= qpos)
     if band is not None:
         allowed = allowed & (j >= qpos - band[0]) & (j <= qpos + band[1])
         # Keys no query of the request keeps are not read (as in _attend_single_tokens).
         read = (allowed & q_valid[:, :, None]).any(1)[:, :, None, None]  # [B, Skv, 1, 1]
         kp, vp = (torch.where(read, x, torch.zeros((), dtype=x.dtype)) for x in (kp, vp))
-    allowed |= ~q_valid[:, :, None]  # padded query rows: any finite row, discarded below
+    allowed = allowed | ~q_valid[:, :, None]  # padded query rows: any finite row, discarded
     mask = allowed[:, None]
     if sink is not None:
         # The sink as one more key: a zero key and value, its score the sink's logit (an
@@ -489,15 +493,48 @@ def _fia_impl(query, key, value, *, atten_mask=None, actual_seq_lengths=None,
               pre_tokens=INT32_MAX, next_tokens=INT32_MAX, input_layout="BSH",
               num_key_value_heads=0, sparse_mode=0, inner_precise=0, block_size=0,
               softmax_lse_flag=False):
-    if softmax_lse_flag:
-        raise _fia_error(TILING_ERROR, "softmax_lse_flag=True is not simulated")
+    if softmax_lse_flag and (block_table is not None or sparse_mode not in (0, 3)):
+        raise _fia_error(TILING_ERROR, "softmax_lse_flag=True is simulated without paging and "
+                         "in sparse_mode 0 or 3 only (vllm-ascend asks for the LSE in MLA's "
+                         "prefill only)")
     out = query.new_zeros(*query.shape[:-1], value.shape[-1] if block_table is None
                           else query.shape[-1])
     fia_kernel(query, key, value, atten_mask, actual_seq_lengths, actual_seq_lengths_kv,
                block_table, num_heads, scale, pre_tokens, next_tokens, input_layout,
                num_key_value_heads, sparse_mode, block_size, out)
+    if softmax_lse_flag:
+        return out, fia_lse(query, key, actual_seq_lengths, actual_seq_lengths_kv, num_heads,
+                            num_key_value_heads or num_heads, scale, sparse_mode)
     # With the flag off the op returns an empty float32 lse (OpApi.cpp:356).
     return out, torch.empty(0, dtype=torch.float32, device=query.device)
+
+
+def fia_lse(query, key, actual_seq_lengths, actual_seq_lengths_kv, num_heads, nkv, scale,
+            sparse_mode):
+    """The log-sum-exp of each query row's scaled scores over the keys it attends to, float32
+    [T, N, 1] in TND (TORCH_NPU_CONTRACTS.md: softmax_lse's shape). The KV is TND (no paging),
+    checked by fia_kernel before. A request without keys has no LSE the docs define (upstream
+    never relies on one): refused, the stricter reading."""
+    cu_q, cu_kv = list(actual_seq_lengths), list(actual_seq_lengths_kv)
+    lse = torch.empty(query.shape[0], num_heads, 1, dtype=torch.float32, device=query.device)
+    g = num_heads // nkv
+    for b, (q1, k1) in enumerate(zip(cu_q, cu_kv)):
+        q0, k0 = (cu_q[b - 1], cu_kv[b - 1]) if b else (0, 0)
+        if q1 == q0:
+            continue
+        if k1 == k0:
+            raise _fia_error(TILING_ERROR, f"softmax_lse_flag=True with request {b}'s "
+                             "actualSeqLengthsKv 0: its LSE is not defined")
+        q = query[q0:q1].float().transpose(0, 1)  # [N, q, D]
+        k = key[k0:k1].float().repeat_interleave(g, 1).transpose(0, 1)  # [N, kv, D]
+        scores = torch.bmm(q, k.transpose(1, 2)) * scale
+        if sparse_mode == 3:  # bottom-right causal, as fia_attend
+            ql, kl = q1 - q0, k1 - k0
+            qpos = torch.arange(ql, device=q.device)[:, None] + (kl - ql)
+            scores.masked_fill_(torch.arange(kl, device=q.device)[None, :] > qpos,
+                                float("-inf"))
+        lse[q0:q1, :, 0] = torch.logsumexp(scores, -1).transpose(0, 1)
+    return lse
 
 
 def _fia_out_impl(query, key, value, *, atten_mask=None, actual_seq_lengths=None,

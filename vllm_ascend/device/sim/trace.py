@@ -110,7 +110,7 @@ def install(torch_npu_module, npu_module) -> None:
                  "npu_rms_norm", "npu_add_rms_norm", "npu_swiglu", "npu_rotary_mul", "npu_mrope",
                  "npu_moe_gating_top_k_softmax", "npu_moe_gating_top_k", "npu_moe_init_routing_v2",
                  "npu_grouped_matmul", "npu_moe_token_unpermute", "npu_interleave_rope",
-                 "npu_kv_rmsnorm_rope_cache", "npu_transpose_batchmatmul",
+                 "npu_kv_rmsnorm_rope_cache", "npu_transpose_batchmatmul", "npu_attention_update",
                  "_npu_fused_infer_attention_score_v2_get_max_workspace", "npu_dynamic_quant",
                  "npu_quantize", "npu_quant_matmul", "npu_add_rms_norm_quant",
                  "npu_add_rms_norm_dynamic_quant"):
