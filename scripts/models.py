@@ -123,6 +123,11 @@ LM_HEAD_SCALE = 8.0
 # 2.8 in HF's own bfloat16 run. With 8.0 most scores saturate and the bias decides among them:
 # its smallest gap over the test prompts is 0.029 (scripts/models.py routing_gaps).
 ROUTER_STD = {"glm4_moe": 8.0}
+# Families made of another's checkpoint plus one MTP layer (model.layers.N.*), whose decoder
+# block is drawn as the family's layers are, from a seed of its own: the target is the other
+# family's model bit for bit, with its measured logit gaps and routing margins (docs/testing.md).
+# DeepSeek-V3/R1 as deployed with MTP: its MTP layer an MoE layer like V3's own.
+WITH_MTP = {"deepseek_v3_moe_mtp": "deepseek_v3"}
 TINY_LAYERS = 2
 
 
@@ -133,13 +138,10 @@ def tiny_model_dir(family: str, dtype: str = "float32", seed: int = 1234) -> str
     import torch
     import transformers
 
+    if family in WITH_MTP:
+        return _with_mtp_layer_dir(family, dtype, seed)
     config_cls, model_cls, extra = TINY_FAMILIES[family]
-    # (bumped when a family's weights change; GPT-OSS's: its sinks and router margins)
-    version = ("v6" if "moe" in family or "deepseek" in family
-               else "v3" if family == "gpt_oss" else "v2")
-    path = CACHE / "models" / ((f"tiny-{family}-{version}" if dtype == "float32" else
-                                f"tiny-{family}-{dtype}-{version}")
-                               + ("" if seed == 1234 else f"-seed{seed}"))
+    path = _tiny_path(family, dtype, seed)
     if (path / "config.json").exists():
         return str(path)
     config, tok = _tiny_config(family, dtype)
@@ -152,16 +154,43 @@ def tiny_model_dir(family: str, dtype: str = "float32", seed: int = 1234) -> str
     # with 0.08 throughout the logits were nearly flat (the top logprob about -7.4, the first
     # two 0.01-0.3 apart), and a comparison on them proves little. Measured top-two gaps of the
     # test prompts: logit_gaps() and docs/testing.md.
+    _draw(model, family)
     with torch.no_grad():
-        for p in model.parameters():
+        model.get_output_embeddings().weight.mul_(LM_HEAD_SCALE)
+    model.to(getattr(torch, dtype))
+    tmp = path.with_suffix(".tmp")
+    if mtp:
+        _save_with_mtp_layers(model, config, mtp, tmp)
+    else:
+        model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    tmp.rename(path)
+    return str(path)
+
+
+def _tiny_path(family: str, dtype: str, seed: int) -> pathlib.Path:
+    # (bumped when a family's weights change; GPT-OSS's: its sinks and router margins)
+    version = ("v6" if "moe" in family or "deepseek" in family
+               else "v3" if family == "gpt_oss" else "v2")
+    return CACHE / "models" / ((f"tiny-{family}-{version}" if dtype == "float32" else
+                                f"tiny-{family}-{dtype}-{version}")
+                               + ("" if seed == 1234 else f"-seed{seed}"))
+
+
+def _draw(module, family: str) -> None:
+    """The tiny models' weights, drawn in place from torch's generator (the LM head's scale is
+    the caller's)."""
+    import torch
+
+    with torch.no_grad():
+        for p in module.parameters():
             if p.dim() > 1:
                 p.normal_(0, 0.08)
-        model.get_output_embeddings().weight.mul_(LM_HEAD_SCALE)
         # MoE routers with clear margins (router logits with a spread of about 11): a token's
         # top expert dominates, so when a rounding swaps its second and third, which tie now
         # and then, the output barely moves; with flat routers such a swap moves the logprobs
         # by 0.3 and the comparison with HF fails for a reason that is not a bug.
-        for name, p in [*model.named_parameters(), *model.named_buffers()]:
+        for name, p in [*module.named_parameters(), *module.named_buffers()]:
             if name.endswith(("mlp.gate.weight", "mlp.router.weight")):
                 p.normal_(0, ROUTER_STD.get(family, 1.0))
             if name.endswith("e_score_correction_bias"):
@@ -172,13 +201,31 @@ def tiny_model_dir(family: str, dtype: str = "float32", seed: int = 1234) -> str
                 # Sinks of 0.5-3 against attention logits of about 1 take a good part of each
                 # row's softmax: without them the tests' first tokens differ.
                 p.uniform_(0.5, 3.0)
+
+
+def _with_mtp_layer_dir(family: str, dtype: str, seed: int) -> str:
+    """WITH_MTP's ``family``: its base family's tiny model plus one MTP layer."""
+    import torch
+    import transformers
+
+    path = _tiny_path(family, dtype, seed)
+    if (path / "config.json").exists():
+        return str(path)
+    base = tiny_model_dir(WITH_MTP[family], "float32", seed)
+    target = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    config = target.config
+    config.num_nextn_predict_layers = 1
+    config.num_hidden_layers += 1
+    model = type(target)(config)
+    missing = model.load_state_dict(target.state_dict(), strict=False).missing_keys
+    mtp = f"model.layers.{config.num_hidden_layers - 1}."
+    assert missing and all(k.startswith(mtp) for k in missing), missing
+    torch.manual_seed(seed + 1)
+    _draw(model.model.layers[-1], WITH_MTP[family])
     model.to(getattr(torch, dtype))
     tmp = path.with_suffix(".tmp")
-    if mtp:
-        _save_with_mtp_layers(model, config, mtp, tmp)
-    else:
-        model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
+    _save_with_mtp_layers(model, config, 1, tmp)
+    transformers.AutoTokenizer.from_pretrained(base).save_pretrained(tmp)
     tmp.rename(path)
     return str(path)
 
@@ -216,7 +263,8 @@ def config_only_dir(family: str, **overrides) -> str:
 def agreeing_mtp_dir(family: str) -> str:
     """The tiny ``family`` model (with MTP layers) whose MTP layer agrees with it: its
     ``eh_proj`` fitted by fit_draft_projection, its decoder block's output projections zero
-    (attention and MLP add nothing), so the target accepts its drafts on the fitted prompts."""
+    (attention and MLP, every expert's, add nothing), so the target accepts its drafts on the
+    fitted prompts."""
     import shutil
 
     import safetensors.torch
@@ -230,10 +278,12 @@ def agreeing_mtp_dir(family: str) -> str:
     shutil.copytree(source, tmp)
     weights = safetensors.torch.load_file(str(tmp / "model.safetensors"))
     prefix = f"model.layers.{TINY_LAYERS}."  # the first MTP layer
-    weights[prefix + "eh_proj.weight"] = fit_draft_projection(
-        str(source), normalise_inputs=True).to(weights[prefix + "eh_proj.weight"].dtype)
-    for name in ("self_attn.o_proj", "mlp.down_proj"):
-        weights[f"{prefix}{name}.weight"].zero_()
+    eh_proj = fit_draft_projection(str(source), normalise_inputs=True, prompts=fit_prompts(family))
+    weights[prefix + "eh_proj.weight"] = eh_proj.to(weights[prefix + "eh_proj.weight"].dtype)
+    for name, t in weights.items():  # attention's output, and every down projection of its MLP
+        if name == f"{prefix}self_attn.o_proj.weight" or (
+                name.startswith(f"{prefix}mlp.") and name.endswith("down_proj.weight")):
+            t.zero_()
     safetensors.torch.save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     tmp.rename(path)
     return str(path)
@@ -247,7 +297,7 @@ def _save_with_mtp_layers(model, config, mtp: int, path: pathlib.Path) -> None:
     import torch
     from safetensors.torch import save_file
 
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    state = dict(per_expert(model.state_dict()))
     config.num_hidden_layers -= mtp
     hidden = config.hidden_size
     g = torch.Generator().manual_seed(4321)
@@ -315,22 +365,32 @@ def smollm2_dir() -> pathlib.Path:
 # engine may part from HF's float32 path, and a head fitted on that path drafts off it).
 FIT_PROMPTS = ["The quick brown fox", "My favourite colour is", "The weather today is"]
 FIT_TOKENS = 24
+# Another family's, chosen the same way: DeepSeek-V3's with MoE layers (4.18, 1.20, 0.52 nats;
+# on the prompts above it parts from its W8A8 export at the first token, a 0.1-nat tie).
+FIT_PROMPTS_OF = {"deepseek_v3_moe_mtp": ["My favourite colour is", "My favourite food is",
+                                          "The sun rises in the"]}
 
 
-def fit_draft_projection(target: str, normalise_inputs: bool = False):
+def fit_prompts(family: str) -> list[str]:
+    """The prompts ``family``'s agreeing draft head is fitted on."""
+    return FIT_PROMPTS_OF.get(family, FIT_PROMPTS)
+
+
+def fit_draft_projection(target: str, normalise_inputs: bool = False,
+                         prompts: "list[str] | None" = None):
     """A draft head that agrees with ``target``: the [embedding; hidden] -> hidden projection
     (EAGLE's ``fc``, MTP's ``eh_proj``) fitted by least squares so that, from the embedding of
     token i+1 and the target's final (normed) hidden state at i, it gives the target's hidden
-    state at i+1, on the target's greedy continuations of FIT_PROMPTS. With the head's decoder
-    layer adding nothing (its output projections zero), the head's logits are then the target's
-    next ones on those paths, and a draft chained on its own output stays on them. The samples
-    come from the target run in float32 (its greedy paths) and in bfloat16 (those paths and its
-    own, where they part): at most 3 x 3 x 24, fewer than the 2 x hidden inputs, so the fit
-    interpolates them all and the rounding of a bfloat16 engine moves it little (on the tiny
-    Llama and the suite's first prompts, the next token right at 98.6% of the bfloat16
-    positions, against 91% fitted on float32 alone). MTP normalises both inputs first
-    (``enorm``, ``hnorm``: the hidden state it is given, the target's or its own, need not be
-    normed)."""
+    state at i+1, on the target's greedy continuations of ``prompts`` (FIT_PROMPTS). With the
+    head's decoder layer adding nothing (its output projections zero), the head's logits are
+    then the target's next ones on those paths, and a draft chained on its own output stays
+    on them. The samples come from the target run in float32 (its greedy paths) and in bfloat16
+    (those paths and its own, where they part): at most 3 x 3 x 24, fewer than the 2 x hidden
+    inputs, so the fit interpolates them all and the rounding of a bfloat16 engine moves it
+    little (on the tiny Llama and the suite's first prompts, the next token right at 98.6% of
+    the bfloat16 positions, against 91% fitted on float32 alone). MTP normalises both inputs
+    first (``enorm``, ``hnorm``: the hidden state it is given, the target's or its own, need
+    not be normed)."""
     import torch
     import transformers
 
@@ -346,7 +406,7 @@ def fit_draft_projection(target: str, normalise_inputs: bool = False):
         model.to(dtype)
         embed = model.get_input_embeddings().weight.float()
         with torch.no_grad():
-            for prompt in FIT_PROMPTS:  # each dtype's own greedy paths, and the float32 ones
+            for prompt in prompts or FIT_PROMPTS:  # each dtype's own paths, and float32's
                 ids = tok(prompt, return_tensors="pt").input_ids
                 seq = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                      max_new_tokens=FIT_TOKENS, min_new_tokens=FIT_TOKENS,
@@ -409,8 +469,11 @@ def eagle_head_dir(target: str, agreeing: bool = False) -> str:
 
 # The linear layers a ModelSlim export quantizes in the tiny families (attention, a dense MLP, a
 # shared expert); routed experts, routers, embeddings, norms and the LM head stay FLOAT.
-QUANTIZED_LINEAR = (r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|"
-                    r"mlp\.(shared_experts?\.)?(gate|up|down)_proj)$")
+# DeepSeek's MLA projections too (q_proj, or q_a_proj and q_b_proj, and kv_a_proj_with_mqa),
+# but not kv_b_proj: upstream takes it unquantized ("We currently do not support quant
+# kv_b_proj", mla_v1.py), as its W_UK and W_UV are split from it.
+QUANTIZED_LINEAR = (r"model\.layers\.\d+\.(self_attn\.([qkvo]_proj|q_[ab]_proj|"
+                    r"kv_a_proj_with_mqa)|mlp\.(shared_experts?\.)?(gate|up|down)_proj)$")
 # HF's fused experts of a layer ([E, 2I, H] gate|up, [E, H, I] down), written per expert as
 # ModelSlim's exports and the published checkpoints name them
 FUSED_EXPERTS = r"(model\.layers\.(\d+)\.mlp\.experts)\.(gate_up_proj|down_proj)$"
@@ -418,8 +481,25 @@ CALIBRATION = ["The capital of France is", "Write a haiku about the sea.",
                "1, 2, 3, 4, 5,", "def fibonacci(n):"]
 
 
+def per_expert(state: dict):
+    """(name, tensor) of ``state`` with HF's fused experts split into one tensor per expert and
+    projection (``...mlp.experts.{e}.gate_proj.weight``), as checkpoints name them."""
+    import re
+
+    for name, t in state.items():
+        fused = re.match(FUSED_EXPERTS, name)
+        if not fused:
+            yield name, t.contiguous()
+            continue
+        names = ["down_proj"] if fused.group(3) == "down_proj" else ["gate_proj", "up_proj"]
+        for e, w in enumerate(t):
+            for proj, part in zip(names, w.chunk(len(names))):
+                yield f"{fused.group(1)}.{e}.{proj}.weight", part.contiguous()
+
+
 def quantized_model_dir(family: str, types: "str | tuple[str, ...]",
-                        dtype: str = "bfloat16", seed: int = 1234, experts: bool = False) -> str:
+                        dtype: str = "bfloat16", seed: int = 1234, experts: bool = False,
+                        source: "str | None" = None) -> str:
     """The tiny ``family`` model exported in ModelSlim's format (docs/quantization.md): each
     decoder layer's linear layers in ``types`` (one type for all layers, or one per layer:
     "W8A8_DYNAMIC", "W8A8" or "FLOAT"), int8 weights per output channel, symmetric; for W8A8,
@@ -427,7 +507,10 @@ def quantized_model_dir(family: str, types: "str | tuple[str, ...]",
     float bias and the offset folded into an int32 quant_bias. With ``experts``, the routed
     experts of W8A8_DYNAMIC layers too, per expert and output channel (the experts of other
     layers, and all of them without it, stay FLOAT). Saved once, for ``dtype``; another ``seed``
-    exports the tiny model of that seed."""
+    exports the tiny model of that seed, a ``source`` checkpoint of the family (an agreeing MTP
+    one) that checkpoint. DeepSeek's MTP layers (model.layers.N.*, N >= num_hidden_layers) are
+    carried FLOAT and listed FLOAT, as upstream deploys them (ModelSlim's description leaves
+    them out, and users list them by hand: upstream's modelslim_config.py)."""
     import json
     import re
 
@@ -435,13 +518,17 @@ def quantized_model_dir(family: str, types: "str | tuple[str, ...]",
     import torch
     import transformers
 
-    src = tiny_model_dir(family, seed=seed)
+    src = source or tiny_model_dir(family, seed=seed)
     config = transformers.AutoConfig.from_pretrained(src)
     per_layer = (types,) * config.num_hidden_layers if isinstance(types, str) else tuple(types)
     named = per_layer[:1] if len(set(per_layer)) == 1 else per_layer  # each layer's, if mixed
     tag = "-".join(t.lower() for t in named) + ("-experts" if experts else "")
-    path = CACHE / "models" / (f"tiny-{family}-{tag}-{dtype}-q2"
-                               + ("" if seed == 1234 else f"-seed{seed}"))
+    mtp = [f"model.layers.{n}." for n in range(config.num_hidden_layers, config.num_hidden_layers
+                                               + getattr(config, "num_nextn_predict_layers", 0))]
+    path = CACHE / "models" / (f"tiny-{family}-{tag}-{dtype}-q3"
+                               + ("" if seed == 1234 else f"-seed{seed}")
+                               + (f"-of-{pathlib.Path(source).name}" if source else "")
+                               + ("-mtp" if mtp else ""))
     if (path / "config.json").exists():
         return str(path)
     torch_dtype = getattr(torch, dtype)
@@ -471,11 +558,12 @@ def quantized_model_dir(family: str, types: "str | tuple[str, ...]",
         if not (experts and fused and per_layer[int(fused.group(2))] == "W8A8_DYNAMIC"):
             state[name] = t
             continue
-        for e, w in enumerate(t):  # quantized below as linear layers, one per expert
-            names = (["down_proj"] if fused.group(3) == "down_proj" else ["gate_proj", "up_proj"])
-            for proj, part in zip(names, w.chunk(len(names))):
-                state[f"{fused.group(1)}.{e}.{proj}.weight"] = part
-                linears[f"{fused.group(1)}.{e}.{proj}"] = None  # no float bias
+        for expert, part in per_expert({name: t}):  # quantized below as linear layers
+            state[expert] = part
+            linears[expert.removesuffix(".weight")] = None  # no float bias
+    for weights in pathlib.Path(src).glob("*.safetensors"):  # HF's model does not load them
+        state.update((name, t) for name, t in safetensors.torch.load_file(str(weights)).items()
+                     if name.startswith(tuple(mtp)))
     tensors, description = {}, {"model_quant_type": per_layer[0], "version": "1.0.0"}
     for name, t in state.items():
         module = name.rsplit(".", 1)[0]

@@ -62,9 +62,18 @@ QUANTIZED = {
     # attention and shared expert static in layer 0, dynamic in layer 1; routed experts FLOAT
     "qwen2_moe-w8a8-mixed": ("qwen2_moe", ("W8A8", "W8A8_DYNAMIC"), "float16"),
     # every linear layer and the routed experts W8A8_DYNAMIC, as DeepSeek's and Qwen3-MoE's
-    # ModelSlim exports (DeepSeek's MLA keeps its latent projections FLOAT)
+    # ModelSlim exports (DeepSeek's MLA projections too, kv_b_proj excepted, as upstream)
     "qwen3_moe-w8a8-dynamic": ("qwen3_moe", "W8A8_DYNAMIC", "bfloat16", 1234, True),
     "deepseek_v2_moe-w8a8-dynamic": ("deepseek_v2_moe", "W8A8_DYNAMIC", "bfloat16", 1234, True),
+    # with a query LoRA: q_a_proj and kv_a_proj_with_mqa load into vLLM's fused_qkv_a_proj
+    "deepseek_v3-w8a8-dynamic": ("deepseek_v3", "W8A8_DYNAMIC", "bfloat16", 1234, True),
+    # upstream's graph-mode end-to-end model, DeepSeek-V2-Lite-W8A8, served (test_serve.py)
+    "deepseek_v2_moe-w8a8-dynamic-float16": ("deepseek_v2_moe", "W8A8_DYNAMIC", "float16", 1234,
+                                             True),
+    # DeepSeek-V3 with its MTP layer (an MoE layer), which the export carries FLOAT and lists
+    # as FLOAT, as upstream deploys W8A8 with MTP (test_spec_decode.py, test_serve_mtp.py)
+    "deepseek_v3_moe_mtp-w8a8-dynamic": ("deepseek_v3_moe_mtp", "W8A8_DYNAMIC", "bfloat16", 1234,
+                                         True),
     # float16: the experts' weight scales in float32, the grouped matmul's other dtype row
     "qwen3_moe-w8a8-dynamic-float16": ("qwen3_moe", "W8A8_DYNAMIC", "float16", 1234, True),
 }
@@ -118,7 +127,12 @@ def speculative_config(family: str, method: str, k: int) -> dict:
 def spec_target(family: str, method: str) -> str:
     """The target's checkpoint for ``method``: MTP layers live in it, so an agreeing one is a
     checkpoint of its own (the same target weights)."""
-    return agreeing_mtp_dir(family) if method == "mtp" + AGREEING else model_path(family)
+    if method != "mtp" + AGREEING:
+        return model_path(family)
+    if family in QUANTIZED:  # the export of the agreeing checkpoint
+        return quantized_model_dir(*QUANTIZED[family],
+                                   source=agreeing_mtp_dir(QUANTIZED[family][0]))
+    return agreeing_mtp_dir(family)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -281,6 +295,15 @@ def replays(llm):
     result.update(ranks[0], ranks=ranks)
 
 
+def check_replays(result: dict, mode: str) -> None:
+    """A run's replays are the ones its steps call for; in a graph mode every decode step of
+    MAX_TOKENS replays a FULL graph (``result`` as the family tests' ``run`` returns it)."""
+    made = result["made"]
+    assert made["replayed"] == result["expected"], made
+    if mode != "NONE":
+        assert made["replayed"].get("FULL", 0) >= MAX_TOKENS - 1, made  # every decode step
+
+
 def expected_replays(mode: str, steps, num_layers: int, max_size: int,
                      decode_query_len: int = 1) -> dict:
     """The replays ``steps`` must make in ``mode``, by vLLM's dispatch rules (not the runner's
@@ -331,6 +354,13 @@ def chip_cost_per_decode_step(llm, batch: int = 1, tokens: int = 4) -> dict:
     count(2)  # warm-up
     (short, short_steps), (long, long_steps) = count(1), count(1 + tokens)
     return {row: (long[row] - short[row]) / (long_steps - short_steps) for row in ROWS}
+
+
+def word_prompt(words: int) -> str:
+    """A prompt of ``words`` words, about a token each, repeating nine words in a fixed order
+    (the long prompts of the MLA prefill tests)."""
+    vocabulary = ["river", "stone", "light", "seven", "garden", "quiet", "north", "paper", "cloud"]
+    return " ".join(vocabulary[(i * 7 + 5) % len(vocabulary)] for i in range(words))
 
 
 def vllm_greedy(llm, prompts, max_tokens, **kwargs):
@@ -658,15 +688,20 @@ def served_graph_counts(base: str) -> list[dict]:
     return served_rpc(base, "graph_counts")
 
 
-def served_completion(base: str, name: str, prompt: str, max_tokens: int, headers=None):
-    """(tokens, [top-k {token: logprob}]) of a greedy /v1/completions answer."""
+def served_completion(base: str, name: str, prompt: str | list[str], max_tokens: int,
+                      headers=None):
+    """(tokens, [top-k {token: logprob}]) of a greedy /v1/completions answer; a list of each
+    prompt's, in order, for a list of prompts (sent as one request: the server adds them to the
+    engine together)."""
     r = requests.post(f"{base}/v1/completions", timeout=120, headers=headers, json={
         "model": name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
         "ignore_eos": True, "logprobs": TOPK, "return_tokens_as_token_ids": True})
     assert r.status_code == 200, r.text
-    lp = r.json()["choices"][0]["logprobs"]
-    return ([token_id(t) for t in lp["tokens"]],
-            [{token_id(t): v for t, v in top.items()} for top in lp["top_logprobs"]])
+    answers = [([token_id(t) for t in lp["tokens"]],
+                [{token_id(t): v for t, v in top.items()} for top in lp["top_logprobs"]])
+               for lp in (c["logprobs"] for c in sorted(r.json()["choices"],
+                                                        key=lambda c: c["index"]))]
+    return answers if isinstance(prompt, list) else answers[0]
 
 
 def token_id(token: str) -> int:

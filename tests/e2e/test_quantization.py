@@ -110,6 +110,10 @@ def list_a_static_tensor(tensors, description):
     description["model.layers.0.mlp.up_proj.input_scale"] = "W8A8_DYNAMIC"
 
 
+def asymmetric_weight(tensors, description):
+    tensors["model.layers.1.mlp.down_proj.weight_offset"][3] = 2.0
+
+
 @pytest.mark.parametrize("edit,message", [
     (drop_weight_scale, r"model\.layers\.1\.mlp\.down_proj: the checkpoint has no weight_scale "
                         r"for it \(a W8A8_DYNAMIC layer carries weight, weight_scale, "
@@ -118,7 +122,10 @@ def list_a_static_tensor(tensors, description):
                    r"checkpoint; a W8A8_DYNAMIC layer's weight must be int8\. Re-export"),
     (list_a_static_tensor, r"model\.layers\.0\.mlp\.up_proj is W8A8_DYNAMIC but the checkpoint "
                            r"also lists input_scale, which a W8A8_DYNAMIC layer does not carry"),
-], ids=["missing-weight_scale", "float-weight", "unexpected-tensor"])
+    (asymmetric_weight, r"model\.layers\.1\.mlp\.down_proj: weight_offset is not zero; "
+                        r"vllm-ascend runs symmetric int8 weights only \(npu_quant_matmul takes "
+                        r"no weight offset\)\. Quantize the weights symmetrically with ModelSlim"),
+], ids=["missing-weight_scale", "float-weight", "unexpected-tensor", "asymmetric-weight"])
 def test_a_malformed_export_fails_at_load_naming_the_layer(tmp_path, edit, message):
     from vllm_ascend.quantization.w8a8 import CheckpointError
 

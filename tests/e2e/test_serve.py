@@ -1,10 +1,11 @@
 """`vllm serve` as users run it at scale, on 127.0.0.1: a tiny DeepSeek-V2 (MLA attention, a
-dense layer then an MoE layer with a shared expert) with data parallelism over tensor
-parallelism and expert parallelism over both (DP=2 x TP=2, EP=4: four workers, two experts
-each), in the default graph mode. vLLM runs MoE data-parallel engines in lockstep: every
-step, both agree on one graph mode and one padded token count, and an engine without requests
-runs a dummy batch, since every MoE layer all-gathers all ranks' tokens. The OpenAI endpoints
-answer as HF transformers (TP=1) does, under the logprob-closeness rule, with graphs replayed;
+dense layer then an MoE layer with a shared expert) as a ModelSlim W8A8 export, with data
+parallelism over tensor parallelism and expert parallelism over both (DP=2 x TP=2, EP=4: four
+workers, two experts each), in the default graph mode: upstream's graph-mode end-to-end
+configuration. vLLM runs MoE data-parallel engines in lockstep: every step, both agree on one
+graph mode and one padded token count, and an engine without requests runs a dummy batch, since
+every MoE layer all-gathers all ranks' tokens. The OpenAI endpoints answer as the export's
+dequantized HF reference (TP=1) does, under the logprob-closeness rule, with graphs replayed;
 the start-up log says what a user needs to know; 16 concurrent requests spread over both DP
 engines; a load pinned to one DP rank finishes while the other idles; a long prefill on one rank
 beside a short one on the other, and a stream aborted mid-way, leave both serving; `vllm bench
@@ -28,9 +29,12 @@ from tests.e2e.conftest import (TOPK, check_logprobs_close, hf_greedy, model_pat
 # workers).
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-FAMILY = "deepseek_v2_moe"
+# Upstream's graph-mode end-to-end configuration: a DeepSeek-V2-Lite-shaped ModelSlim W8A8
+# export (every linear layer but kv_b_proj, and the routed experts, W8A8_DYNAMIC) at TP=2, DP=2
+# with EP, against its dequantized reference.
+FAMILY = "deepseek_v2_moe-w8a8-dynamic-float16"
 DTYPE = "float16"
-NAME = "tiny-deepseek-v2-moe"
+NAME = "tiny-deepseek-v2-moe-w8a8"
 LAYERS = 2  # the tiny models'
 MOE_LAYERS = 1  # its second layer (first_k_dense_replace 1)
 TOKENS = 16
@@ -141,7 +145,9 @@ def test_start_up_log_says_graph_mode_kept_sizes_graphs_streams_and_memory(serve
         assert sum(counts["captured"].values()) == int(summaries[0][1])
     # Outside torch: each worker's TP, DP and EP communicators, 2 x HCCL_BUFFSIZE (16 MB) each;
     # all of it, the weights, the activation peak, the graphs and the KV cache fit the device.
-    memory = re.findall(r"vllm-ascend: device sim \(.*\), memory 2\.00 GiB: weights (0\.0\d) GiB, "
+    # (The weights: 0.12 GiB, as the simulator's sleep-mode pool gives each of the export's
+    # tensors, its scales and offsets included, a 2 MB page: docs/sleep_mode.md#limits.)
+    memory = re.findall(r"vllm-ascend: device sim \(.*\), memory 2\.00 GiB: weights (0\.\d\d) GiB, "
                         r"activation peak ([\d.]+) GiB, graphs ([\d.]+) GiB, outside torch 0\.09 "
                         r"GiB, KV cache \d+ blocks x 128 tokens \(([\d.]+) GiB\)", log)
     assert len(memory) == 4, log[-3000:]

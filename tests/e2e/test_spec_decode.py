@@ -3,13 +3,16 @@ layers, with greedy output equal to HF transformers' (non-speculative) greedy ou
 logprob-closeness rule, graph replays asserted for the verify step and the drafter, and vLLM's
 acceptance metrics read back."""
 
+import re
+
 import pytest
 
-from tests.e2e.conftest import (AGREEING, PROMPTS, chip_cost_per_decode_step, check_logprobs_close,
-                                engine, expected_replays, graph_counts, hf_greedy, MAX_TOKENS,
-                                model_path, platform_log, replays, spec_target,
-                                speculative_config, vllm_greedy)
-from scripts.models import FIT_PROMPTS
+from tests.e2e.conftest import (AGREEING, PROMPTS, QUANTIZED, broken_export,
+                                chip_cost_per_decode_step, check_logprobs_close, engine,
+                                expected_replays, graph_counts, hf_greedy, MAX_TOKENS, model_path,
+                                platform_log, replays, spec_target, speculative_config,
+                                vllm_greedy)
+from scripts.models import fit_prompts
 from vllm_ascend.device.sim.ledger import PLUGIN_SYNCS, REPLAYS, UPDATES
 
 MAX_NUM_SEQS = 4
@@ -25,13 +28,16 @@ MAX_NUM_SEQS = 4
 # are accepted, so the accepted-token path runs (the KV of accepted tokens, the positions after
 # them), for MTP on MLA's latent cache; elsewhere their random weights draft tokens the target
 # rejects, so the output must not change. DeepSeek-V2 drafts for itself in FULL_DECODE_ONLY.
+# MTP also drafts for a W8A8 export of DeepSeek-V3 with MoE layers, its MTP layer (an MoE layer)
+# FLOAT, as Ascend deploys it (served at DP=2 x TP=2: test_serve_mtp.py).
 # (SmolLM2's n-gram acceptance on a repetitive prompt is measured by benchmarks/spec_decode.py.)
 CASES = ([("llama", "ngram", 3, "FULL"),
           ("llama", "draft_model", 2, "NONE"), ("llama", "draft_model", 2, "FULL_AND_PIECEWISE")]
          + [("llama", "eagle", 4, m) for m in ("PIECEWISE", "FULL_AND_PIECEWISE")]
          + [("qwen2", "ngram", 1, "FULL_AND_PIECEWISE"),
             ("qwen3", "draft_model", 1, "FULL_DECODE_ONLY"),
-            ("deepseek_v3_mtp", "mtp-agreeing", 2, "FULL_DECODE_ONLY")]
+            ("deepseek_v3_mtp", "mtp-agreeing", 2, "FULL_DECODE_ONLY"),
+            ("deepseek_v3_moe_mtp-w8a8-dynamic", "mtp-agreeing", 2, "FULL_DECODE_ONLY")]
          + [pytest.param(c, marks=pytest.mark.slow) for c in (  # the full tier only
              ("llama", "eagle-agreeing", 4, "FULL_DECODE_ONLY"),
              ("deepseek_v3_mtp", "mtp", 1, "FULL_AND_PIECEWISE"),
@@ -101,7 +107,7 @@ def test_greedy_output_equals_non_speculative_with_graph_replays(spec_llm):
     if method == "ngram":  # n-gram drafts only where the text repeats itself
         prompts = [REPETITIVE, *PROMPTS[:2]]
     elif method.endswith(AGREEING):  # the prompts its head was fitted on
-        prompts = FIT_PROMPTS
+        prompts = fit_prompts(QUANTIZED.get(family, (family,))[0])
     else:
         prompts = PROMPTS
     n = MAX_TOKENS
@@ -160,6 +166,29 @@ def test_more_than_16_query_tokens_per_request_fail_at_start():
             pass
     assert "at most 16 per request" in str(failure.value)
     assert "num_speculative_tokens <= 15" in str(failure.value)
+
+
+def test_an_export_whose_description_omits_the_mtp_layer_runs_without_mtp_and_refuses_it(
+        tmp_path):
+    """ModelSlim's description leaves DeepSeek's MTP layer out (its weights stay float): without
+    MTP the export serves as before; with MTP the drafter's load names the layer and the fix."""
+    name = "deepseek_v3_moe_mtp-w8a8-dynamic"
+
+    def unlisted(tensors, description):
+        for key in [k for k in description if k.startswith("model.layers.2.")]:
+            del description[key]
+
+    export = broken_export(tmp_path, name, unlisted)
+    with engine(export, enforce_eager=True) as llm:
+        out = vllm_greedy(llm, PROMPTS[:1], 4)[0]
+    check_logprobs_close(hf_greedy(model_path(name), PROMPTS[0], 4), out, name, dtype="bfloat16")
+    with pytest.raises(Exception) as failure:
+        with engine(export, enforce_eager=True,
+                    speculative_config=speculative_config(name, "mtp", 1)):
+            pass
+    assert re.search(r"quant_model_description\.json lists nothing of model\.layers\.2, a layer "
+                     r"after the ones it lists: DeepSeek's MTP layer.*Add an entry "
+                     r"\"<tensor name>\": \"FLOAT\" for each of its tensors", str(failure.value))
 
 
 def test_draft_steps_add_no_blocking_sync_and_no_task_update(spec_llm):

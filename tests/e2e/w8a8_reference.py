@@ -60,6 +60,9 @@ def load(path: str):
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     state, hooks, experts = {}, {}, {}
     for name, t in tensors.items():
+        numbered = re.match(r"model\.layers\.(\d+)\.", name)
+        if numbered and int(numbered.group(1)) >= config.num_hidden_layers:
+            continue  # DeepSeek's MTP layers, which HF's model does not have
         module, suffix = name.rsplit(".", 1)
         expert = re.match(EXPERT, name)
         if expert and description[name] == "W8A8_DYNAMIC":

@@ -13,6 +13,7 @@ import collections
 import functools
 import json
 import os
+import re
 
 import torch
 from vllm.model_executor.layers.fused_moe import RoutedExperts
@@ -29,6 +30,7 @@ DESCRIPTION = "quant_model_description.json"
 # The tensors each type carries besides the float bias some layers have (ModelSlim lists every
 # tensor of the checkpoint in the description, with its layer's type).
 CARRIES = {"FLOAT": {"weight"}, **{name: set(cls.tensors) for name, cls in SCHEMES.items()}}
+LAYER = re.compile(r"model\.layers\.(\d+)\.")
 FIX = ("Re-export the model with ModelSlim (https://gitcode.com/Ascend/msit/tree/master/"
        "msmodelslim), or load the float checkpoint")
 
@@ -135,6 +137,15 @@ class AscendModelSlimConfig(QuantizationConfig):
                 "or run the float checkpoint")
         return AscendW8A8DynamicFusedMoEMethod(layer.moe_config, prefix)
 
+    def _layer_after_listed(self, prefix: str) -> str | None:
+        """The decoder layer of ``prefix`` (``model.layers.N``) if it comes after every layer
+        the description lists, else None."""
+        layer = LAYER.match(prefix)
+        listed = [int(m.group(1)) for m in map(LAYER.match, self.description) if m]
+        if layer and listed and int(layer.group(1)) > max(listed):
+            return layer.group(0).rstrip(".")
+        return None
+
     def _linear_type(self, prefix: str) -> str:
         """The layer's type, after checking that the description is whole for each projection
         it merges (q/k/v, gate/up) and that they share one type."""
@@ -144,6 +155,13 @@ class AscendModelSlimConfig(QuantizationConfig):
         found = {}
         for shard in shards:
             quant_type = self.description.get(shard + ".weight")
+            if quant_type is None and (layer := self._layer_after_listed(shard)):
+                raise CheckpointError(
+                    f"{DESCRIPTION} lists nothing of {layer}, a layer after the ones it lists: "
+                    "DeepSeek's MTP layer, which ModelSlim leaves out of the description and in "
+                    "float. Add an entry \"<tensor name>\": \"FLOAT\" for each of its tensors "
+                    f"in the checkpoint to {DESCRIPTION} (as upstream vllm-ascend asks), or "
+                    "serve without MTP")
             if quant_type is None:
                 raise CheckpointError(
                     f"{DESCRIPTION} has no entry for {shard}.weight: the description does not "

@@ -43,6 +43,16 @@ class CheckpointError(ValueError):
     pass
 
 
+def refuse_weight_offsets(prefix: str, offsets, what: str, op: str) -> None:
+    """Refuse asymmetric int8 weights: ``op`` takes no weight offset, so every offset must be
+    zero."""
+    if any(bool(offset.ne(0).any()) for offset in offsets):
+        raise CheckpointError(
+            f"{prefix}: weight_offset is not zero; vllm-ascend runs symmetric int8 {what} only "
+            f"({op} takes no weight offset). Quantize the weights symmetrically with ModelSlim "
+            "(w_sym=True)")
+
+
 class _Tensor:
     """One tensor a scheme loads: its shape kind, the dtypes a checkpoint may hold it in, the
     dtype it is kept in here, and whether a layer must carry it."""
@@ -110,13 +120,9 @@ class W8A8Method(LinearMethodBase):
                     f" (a {self.quant_type} layer carries {carried}). Re-export the model with "
                     "ModelSlim, or mark the layer FLOAT in quant_model_description.json with "
                     "its float weights")
-        offset = getattr(layer, "weight_offset", None)
-        if offset is not None and "weight_offset" in layer.ascend_loaded and bool(
-                offset.ne(0).any()):
-            raise CheckpointError(
-                f"{self.prefix}: weight_offset is not zero; vllm-ascend runs symmetric int8 "
-                "weights only (npu_quant_matmul takes no weight offset). Quantize the weights "
-                "symmetrically with ModelSlim (w_sym=True)")
+        if "weight_offset" in layer.ascend_loaded:
+            refuse_weight_offsets(self.prefix, [layer.weight_offset], "weights",
+                                  "npu_quant_matmul")
         layer.ascend_loaded = {}  # a reload (vLLM's reload_weights, sleep mode) counts afresh
 
     def process_weights_after_loading(self, layer) -> None:

@@ -20,7 +20,7 @@ from vllm.model_executor.utils import set_weight_attrs
 
 from vllm_ascend.device import torch_npu
 from vllm_ascend.ops.fused_moe.method import AscendMoEExperts
-from vllm_ascend.quantization.w8a8 import FLOATS, CheckpointError
+from vllm_ascend.quantization.w8a8 import FLOATS, CheckpointError, refuse_weight_offsets
 
 # The weight scale's dtype npu_grouped_matmul takes for each output dtype with a per-token scale
 # (torch_npu's table: bfloat16 for bfloat16 output, float32 for float16 output).
@@ -96,12 +96,8 @@ class AscendW8A8DynamicFusedMoEMethod(AscendMoEExperts, FusedMoEMethodBase):
                     f"{layer.local_num_experts * shards} {tensor} tensors of this rank's "
                     f"{'gate/up' if shards == 2 else 'down'} projections (a W8A8_DYNAMIC "
                     f"expert carries weight, weight_scale and weight_offset). {FIX}")
-        for name in ("w13_weight_offset", "w2_weight_offset"):
-            if bool(getattr(layer, name).ne(0).any()):
-                raise CheckpointError(
-                    f"{self.prefix}: weight_offset is not zero; vllm-ascend runs symmetric "
-                    "int8 experts only (npu_grouped_matmul takes no weight offset). Quantize "
-                    "the weights symmetrically with ModelSlim (w_sym=True)")
+        refuse_weight_offsets(self.prefix, [layer.w13_weight_offset, layer.w2_weight_offset],
+                              "experts", "npu_grouped_matmul")
         layer.ascend_loaded = {}
 
     def process_weights_after_loading(self, layer) -> None:
