@@ -264,6 +264,47 @@ MUTATIONS = [
              "vllm_ascend/device/sim/ops.py", "        if sink is None:\n            probs = "
              "scores.softmax(-1)", "        if True:\n            probs = scores.softmax(-1)",
              ("tests/ut/test_sim_fia.py",)),
+    Mutation("mla-later-context-chunks-dropped",
+             "a long prompt's MLA prefill attends to its first context chunk only",
+             "vllm_ascend/attention/mla.py", "        for chunk in chunks:",
+             "        for chunk in chunks[:1]:", ("tests/e2e/test_mla_long_context.py",)),
+    Mutation("mla-prefill-not-reserved",
+             "the profile run does not reserve MLA's prefill: a long prompt may run out of "
+             "memory the KV cache took", "vllm_ascend/ops/mla.py",
+             "        if is_profiling_prefill():", "        if False:",
+             ("tests/e2e/test_mla_long_context.py",)),
+    Mutation("simulated-attention-update-unweighted",
+             "the simulator merges partial attention results without their LSE weights",
+             "vllm_ascend/device/sim/mla.py",
+             "    out = sum(w * o.float() for w, o in zip(weights, local_out))",
+             "    out = sum(o.float() for w, o in zip(weights, local_out)) / len(local_out)",
+             ("tests/ut/test_sim_mla.py",)),
+    Mutation("asymmetric-weights-accepted",
+             "an export with non-zero weight offsets loads, and its layers run as if the "
+             "offsets were zero (the quantized matmuls take none): silently wrong answers",
+             "vllm_ascend/quantization/w8a8.py",
+             "    if any(bool(offset.ne(0).any()) for offset in offsets):",
+             "    if False:",
+             ("tests/e2e/test_quantization.py::"
+              "test_a_malformed_export_fails_at_load_naming_the_layer",
+              "tests/e2e/test_quantized_experts.py::"
+              "test_a_malformed_expert_export_fails_at_load_naming_the_layer")),
+    Mutation("simulated-zombie-holds-its-device",
+             "the simulator keeps a device held by a process that exited unreaped: the next "
+             "engine of a script that makes them one after the other cannot start",
+             "vllm_ascend/device/sim/npu.py", '    return state not in ("Z", "X")',
+             "    return True",
+             ("tests/ut/test_sim_devices.py::"
+              "test_a_device_is_free_once_its_process_has_exited_even_unreaped",)),
+    Mutation("modelslim-mtp-layer-unnamed",
+             "an export whose description leaves out DeepSeek's MTP layer fails saying the "
+             "description is another model's, not how to list the layer",
+             "vllm_ascend/quantization/modelslim.py",
+             "        if layer and listed and int(layer.group(1)) > max(listed):",
+             "        if False:",
+             ("tests/e2e/test_spec_decode.py::"
+              "test_an_export_whose_description_omits_the_mtp_layer_runs_without_mtp_and_"
+              "refuses_it",)),
 ]
 
 
