@@ -296,6 +296,11 @@ MUTATIONS = [
              "    return True",
              ("tests/ut/test_sim_devices.py::"
               "test_a_device_is_free_once_its_process_has_exited_even_unreaped",)),
+    Mutation("simulated-matmul-one-call",
+             "the simulator's float32 product runs all rows in one call: on AVX-512, MKL sums a "
+             "row differently by row count, so a padded graph step is not the eager step",
+             "vllm_ascend/device/sim/matmul.py", "        rows = min(start, LAST_BLOCK)",
+             "        rows = n", ("tests/ut/test_sim_matmul.py",)),
     Mutation("modelslim-mtp-layer-unnamed",
              "an export whose description leaves out DeepSeek's MTP layer fails saying the "
              "description is another model's, not how to list the layer",

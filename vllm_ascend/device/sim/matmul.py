@@ -13,13 +13,16 @@ Batch invariance is kept, so a graph's padded batch computes each real row exact
 step does. torch's bf16 kernel does not give a row the same bits whatever the other rows on
 every CPU (on an AVX-512-BF16 EPYC, one row of a [1, 1536] x [1536, 576] product differs from
 the same row among eight: a vector kernel for one row), so products of fewer than 9 rows run it
-padded to 8 rows, one row count; MKL's float32 kernel gives a row the same bits when the row
-count is a multiple of 16 (measured for every multiple of 16
-up to 1024, 1 and 2 threads, the shapes of the test models and SmolLM2;
-tests/ut/test_sim_matmul.py checks it), so rows are padded to one. The switch point is 9 rows: a
-step of 8 or fewer rows is padded to a capture size of at most 8 with vLLM's default sizes
-(1, 2, 4, 8, 16, ...), and one of more rows to 16 or more, so eager and graph steps take the same
-kernel.
+padded to 8 rows, one row count. Nor does MKL's float32 kernel: on an AVX-512 Xeon with 2
+threads, a row of a [m, 1536] x [1536, 576] product has other bits for m <= 192 than for m >= 208
+(it splits the sum differently by row count). What every CPU measured keeps is one call's shape:
+a row's bits depend on neither the other rows' values nor its place among them
+(tests/ut/test_sim_matmul.py). So the float32 product runs in row blocks whose bounds are fixed
+by the row index alone (16, 16, 32, 64, ..., 512 rows, then 512 at a time), the last one padded
+with zero rows: row r is computed by the same call shape however many rows follow it. The switch
+point is 9 rows: a step of 8 or fewer rows is padded to a capture size of at most 8 with vLLM's
+default sizes (1, 2, 4, 8, 16, ...), and one of more rows to 16 or more, so eager and graph
+steps take the same kernel.
 
 Batch invariance also lets a product whose rows are all the same, bit for bit, compute one row
 and repeat it: the same bits as computing every row. vLLM's dummy batches are such products (the
@@ -37,7 +40,7 @@ import torch
 
 FP32_FROM_ROWS = 9
 SMALL_ROWS = FP32_FROM_ROWS - 1  # fewer rows run torch's kernel padded to this many
-ROW_MULTIPLE = 16
+FIRST_BLOCK, LAST_BLOCK = 16, 512  # the float32 product's row blocks: 16, 16, 32, ..., 512
 _LOW = (torch.bfloat16, torch.float16)
 _ORIGINAL: dict = {}
 _LIB = None
@@ -68,13 +71,26 @@ def rows_alike(x: torch.Tensor) -> bool:
     return torch.equal(bits[-1], bits[0]) and bool((bits == bits[:1]).all())
 
 
+def _row_blocks(n: int):
+    """(start, rows) of the fixed blocks that cover n rows: 16, 16, 32, 64, ..., 512, 512, ..."""
+    start, rows = 0, FIRST_BLOCK
+    while start < n:
+        yield start, rows
+        start += rows
+        rows = min(start, LAST_BLOCK)
+
+
 def _padded_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b in float32, rows padded to a multiple of 16 (batch-invariant); the real rows."""
+    """a @ b in float32, block by fixed row block, the last padded (batch-invariant)."""
     n = a.shape[0]
-    rows = -(-n // ROW_MULTIPLE) * ROW_MULTIPLE
-    a32 = torch.zeros(rows, a.shape[1], dtype=torch.float32)
-    a32[:n].copy_(a)
-    return _ORIGINAL["mm"](a32, b.to(torch.float32))[:n]
+    b32 = b.to(torch.float32)
+    out = torch.empty(n, b.shape[1], dtype=torch.float32)
+    for start, rows in _row_blocks(n):
+        block = torch.zeros(rows, a.shape[1], dtype=torch.float32)
+        real = min(rows, n - start)
+        block[:real].copy_(a[start:start + real])
+        out[start:start + real] = _ORIGINAL["mm"](block, b32)[:real]
+    return out
 
 
 def _small(a: torch.Tensor, b: torch.Tensor) -> bool:
