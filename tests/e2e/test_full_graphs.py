@@ -21,7 +21,8 @@ def equal_hf(llm, prompts, n, label, mode, max_size) -> dict:
     with replays(llm) as made:
         outs = vllm_greedy(llm, prompts, n)
     for prompt, out in zip(prompts, outs):
-        check_logprobs_close(hf_greedy(model_path(FAMILY), prompt, n), out, f"{label} {prompt[:30]!r}")
+        check_logprobs_close(hf_greedy(model_path(FAMILY), prompt, n), out,
+                             f"{label} {prompt[:30]!r}")
     assert made["replayed"] == expected_replays(mode, made["steps"], LAYERS, max_size), made
     return made
 
