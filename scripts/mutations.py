@@ -301,6 +301,13 @@ MUTATIONS = [
              "row differently by row count, so a padded graph step is not the eager step",
              "vllm_ascend/device/sim/matmul.py", "        rows = min(start, LAST_BLOCK)",
              "        rows = n", ("tests/ut/test_sim_matmul.py",)),
+    Mutation("custom-ops-registered-in-import-kernels",
+             "the CustomOp overrides register from Platform.import_kernels, which vLLM's "
+             "layernorm import calls half-done: an EAGLE-3 head fails to load (circular import)",
+             "vllm_ascend/platform.py",
+             "the overrides import RMSNorm from it.\n        return",
+             "the overrides import RMSNorm from it.\n        import vllm_ascend.ops  # noqa: F401",
+             ("tests/ut/test_plugins.py", "-k", "fresh")),
     Mutation("modelslim-mtp-layer-unnamed",
              "an export whose description leaves out DeepSeek's MTP layer fails saying the "
              "description is another model's, not how to list the layer",

@@ -100,11 +100,12 @@ class NPUPlatform(Platform):
 
     @classmethod
     def import_kernels(cls) -> None:
-        # No vllm._C here: every kernel the plugin needs comes from device/.
-        import vllm_ascend.ops  # noqa: F401  (registers the CustomOp overrides)
-        # The MoE override registers when the model runner's module loads (it imports
-        # ops/fused_moe): vLLM's fused_moe package imports vllm._custom_ops, whose import calls
-        # this method.
+        # No vllm._C here: every kernel the plugin needs comes from device/. The CustomOp
+        # overrides (vllm_ascend.ops) register when the worker's model runner module loads, as
+        # upstream registers them in its worker: this method runs inside vLLM's layernorm
+        # import (via vllm.kernels) when that is the first to call it, as the registry's
+        # inspection of an EAGLE-3 head does, and the overrides import RMSNorm from it.
+        return
 
     @classmethod
     def register_triton_kernel_overrides(cls) -> None:

@@ -45,3 +45,23 @@ def test_our_model_files_register_under_upstream_names():
     for arch, path in FAMILIES.items():
         module, name = path.split(":")
         assert ModelRegistry._try_load_model_cls(arch).__name__ == name, arch
+
+
+# The vLLM modules the CustomOp overrides subclass from, and EAGLE-3's head, whose import is the
+# first of vllm.kernels in the process that inspects it (vLLM's registry, before its modelinfo
+# cache holds the class): that import calls the platform's import_kernels.
+FIRST_IMPORTS = ["vllm.model_executor.layers.layernorm", "vllm.model_executor.layers.activation",
+                 "vllm.model_executor.layers.rotary_embedding",
+                 "vllm.model_executor.models.llama_eagle3"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("module", FIRST_IMPORTS)
+def test_vllm_modules_import_first_in_a_fresh_process(module):
+    """No circular import through the platform: a user's first EAGLE-3 head failed to load."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True,
+                          text=True, timeout=110)
+    assert done.returncode == 0, done.stderr[-2000:]
