@@ -379,7 +379,8 @@ def fit_prompts(family: str) -> list[str]:
 
 def fit_draft_projection(target: str, normalise_inputs: bool = False,
                          prompts: "list[str] | None" = None,
-                         aux_layers: "tuple[int, ...] | None" = None):
+                         aux_layers: "tuple[int, ...] | None" = None,
+                         path_tokens: "set[int] | None" = None):
     """A draft head that agrees with ``target``: the [embedding; hidden] -> hidden projection
     (EAGLE's ``fc``, MTP's ``eh_proj``) fitted by least squares so that, from the embedding of
     token i+1 and the target's final (normed) hidden state at i, it gives the target's hidden
@@ -395,7 +396,8 @@ def fit_draft_projection(target: str, normalise_inputs: bool = False,
     not be normed). With ``aux_layers`` (EAGLE-3's ``fc``), the inputs are instead the target's
     residual stream at i where each of those layers starts (the layer count: where the last one
     ends), side by side, as vLLM hands them to an EAGLE-3 head: 3 x hidden inputs, and no
-    embedding, which only the head's attention would see."""
+    embedding, which only the head's attention would see. ``path_tokens``, if given, receives
+    the token ids on the greedy paths."""
     import torch
     import transformers
 
@@ -417,6 +419,8 @@ def fit_draft_projection(target: str, normalise_inputs: bool = False,
                                      max_new_tokens=FIT_TOKENS, min_new_tokens=FIT_TOKENS,
                                      eos_token_id=None, pad_token_id=tok.pad_token_id or 0)[0]
                 paths[tuple(seq.tolist())] = ids.shape[1]
+                if path_tokens is not None:
+                    path_tokens.update(seq.tolist())
             for seq, prompt_len in paths.items():
                 seq = torch.tensor(seq)
                 with _residual_streams(model, aux_layers or ()) as streams:
@@ -506,6 +510,9 @@ def eagle_head_dir(target: str, agreeing: bool = False) -> str:
 # The target layers an EAGLE-3 head reads: where the tiny (2-layer) target's layers start and
 # where its last ends. vLLM's default, (2, L // 2, L - 3), assumes a deep target.
 EAGLE3_AUX_LAYERS = (0, 1, 2)
+# Its draft vocabulary: a sixth of the tiny targets' 49,152 tokens (Llama-3's heads: 32,000 of
+# 128,256).
+EAGLE3_DRAFT_VOCAB = 8192
 
 
 def eagle3_head_dir(target: str, agreeing: bool = False) -> str:
@@ -513,12 +520,15 @@ def eagle3_head_dir(target: str, agreeing: bool = False) -> str:
     EAGLE-3 heads (Qwen3-8B's included): ``fc`` from three of the target's residual streams side
     by side (EAGLE3_AUX_LAYERS, named in its config) to hidden, one Llama decoder layer
     (``midlayer``) whose attention reads [normed embedding; normed hidden], its own final norm,
-    and neither embedding nor LM head (vLLM shares the target's). Saved once: random weights,
-    whose drafts the target rejects, or ``agreeing``: ``fc`` fitted by fit_draft_projection
-    and midlayer's output projections zero, so that from the target's streams at i it gives the
-    target's hidden state at i + 1 and the target accepts its first draft of a step on the
-    fitted prompts. (A second draft reads the head's own output instead, without ``fc``: with
-    midlayer adding nothing, it repeats the first.) vLLM loads it as Eagle3LlamaForCausalLM."""
+    no embedding (vLLM shares the target's), and a draft vocabulary: an LM head over
+    EAGLE3_DRAFT_VOCAB of the target's tokens (the target's own rows) and ``d2t``, each draft
+    token's offset to its target token id. Saved once: random weights, whose drafts the target
+    rejects, or ``agreeing``: ``fc`` fitted by fit_draft_projection and midlayer's output
+    projections zero, so that from the target's streams at i it gives the target's hidden state
+    at i + 1, and the draft vocabulary holding the tokens of the fitted paths; the target then
+    accepts its first draft of a step on the fitted prompts. (A second draft reads the head's
+    own output instead, without ``fc``: with midlayer adding nothing, it repeats the first.)
+    vLLM loads it as Eagle3LlamaForCausalLM."""
     import json
 
     import safetensors.torch
@@ -526,7 +536,7 @@ def eagle3_head_dir(target: str, agreeing: bool = False) -> str:
     import transformers
 
     target_path = pathlib.Path(target)
-    path = CACHE / "models" / f"eagle3-head-{target_path.name}{'-agreeing' if agreeing else ''}-v1"
+    path = CACHE / "models" / f"eagle3-head-{target_path.name}{'-agreeing' if agreeing else ''}-v2"
     if (path / "config.json").exists():
         return str(path)
     t = transformers.AutoConfig.from_pretrained(target_path)
@@ -542,6 +552,7 @@ def eagle3_head_dir(target: str, agreeing: bool = False) -> str:
     config.architectures = ["LlamaForCausalLMEagle3"]
     config.eagle_aux_hidden_state_layer_ids = list(EAGLE3_AUX_LAYERS)
     config.target_hidden_size = hidden
+    config.draft_vocab_size = EAGLE3_DRAFT_VOCAB
     torch.manual_seed(4321)
     layer = transformers.models.llama.modeling_llama.LlamaDecoderLayer(config, 0)
     weights = {f"midlayer.{name}": p.detach().normal_(0, 0.08) if p.dim() > 1 else p.detach()
@@ -552,10 +563,20 @@ def eagle3_head_dir(target: str, agreeing: bool = False) -> str:
     weights["midlayer.hidden_norm.weight"] = torch.ones(hidden)
     weights["norm.weight"] = torch.ones(hidden)
     weights["fc.weight"] = torch.randn(hidden, len(EAGLE3_AUX_LAYERS) * hidden) * 0.08
+    tokens: set[int] = set()
     if agreeing:
-        weights["fc.weight"] = fit_draft_projection(target, aux_layers=EAGLE3_AUX_LAYERS)
+        weights["fc.weight"] = fit_draft_projection(target, aux_layers=EAGLE3_AUX_LAYERS,
+                                                    path_tokens=tokens)
         for name in ("self_attn.o_proj", "mlp.down_proj"):
             weights[f"midlayer.{name}.weight"].zero_()
+    # the draft vocabulary: the fitted paths' tokens, then every 6th id (a map that is not 1:1)
+    spread = (i for i in range(0, t.vocab_size, 6) if i not in tokens)
+    while len(tokens) < EAGLE3_DRAFT_VOCAB:
+        tokens.add(next(spread))
+    draft_ids = torch.tensor(sorted(tokens))
+    lm_head = transformers.AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32)
+    weights["lm_head.weight"] = lm_head.get_output_embeddings().weight.detach()[draft_ids]
+    weights["d2t"] = draft_ids - torch.arange(EAGLE3_DRAFT_VOCAB)
     tmp = path.with_suffix(".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
     safetensors.torch.save_file({k: v.contiguous() for k, v in weights.items()},
