@@ -7,14 +7,18 @@ measured side by side in one run.
     python benchmarks/decode_throughput.py --models qwen3-moe qwen2-moe   # mixture of experts
     python benchmarks/decode_throughput.py --models tiny tiny-w8a8-dynamic tiny-w8a8 \
         --modes eager FULL_AND_PIECEWISE                                # W8A8 against bf16
+    python benchmarks/decode_throughput.py --models tiny tiny-lora \
+        --modes eager FULL_DECODE_ONLY FULL_AND_PIECEWISE             # LoRA against none
 
-Decode time excludes prefill: each batch is generated twice, for 1 and for 1 + N new tokens
-(greedy, EOS ignored), and ms/step is the difference over N. One engine (or HF model) at a time,
-after a warm-up generation, the fastest of 3 runs. Ratios are speed ratios (higher is faster) against eager and against
-HF in the same run. The 'gemm' row is the floor: the step's matrix products alone. The W8A8
-exports of the tiny Llama (docs/quantization.md) are compared with the bf16 model ('vs bf16'):
-on the simulator that measures the quantized operators' host overhead, not the chip's int8
-speed ('hf' and 'gemm' rows are skipped for them).
+Decode time excludes prefill: each batch is generated twice, for 1 and for 1 + N new tokens (greedy,
+EOS ignored), and ms/step is the difference over N. One engine (or HF model) at a time, after a
+warm-up generation, the fastest of 3 runs. Ratios are speed ratios (higher is faster) against eager
+and against HF in the same run. The 'gemm' row is the floor: the step's matrix products alone. The
+W8A8 exports of the tiny Llama (docs/quantization.md) are compared with the bf16 model ('vs tiny'):
+on the simulator that measures the quantized operators' host overhead, not the chip's int8 speed
+('hf' and 'gemm' rows are skipped for them). 'tiny-lora' is the tiny Llama with LoRA on (rank 8 on
+every projection, two adapters loaded, the batch's requests alternating between them), compared with
+the tiny Llama without ('vs tiny'): the cost of the punica wrapper's products.
 """
 
 import argparse
@@ -44,13 +48,23 @@ def decode_ms(generate, batch: int, tokens: int, repeats: int = 3) -> float:
     return 1000 * (min(times[1 + tokens]) - min(times[1])) / tokens
 
 
-def vllm_generator(llm):
+def vllm_generator(llm, adapters=()):
     from vllm import SamplingParams
 
     def generate(batch, n):
         params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-        llm.generate(prompts_for(batch), params, use_tqdm=False)
+        loras = [adapters[i % len(adapters)] for i in range(batch)] if adapters else None
+        llm.generate(prompts_for(batch), params, use_tqdm=False, lora_request=loras)
     return generate
+
+
+def lora_requests() -> list:
+    from vllm.lora.request import LoRARequest
+
+    from scripts.models import lora_adapter_dir
+
+    return [LoRARequest(f"adapter{seed}", seed, lora_adapter_dir("llama", seed))
+            for seed in (1, 2)]
 
 
 def load_hf(path: str):
@@ -107,7 +121,7 @@ def main():
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["tiny", "smollm2"],
                         choices=["tiny", "smollm2", "qwen3-moe", "qwen2-moe",
-                                 "tiny-w8a8-dynamic", "tiny-w8a8"])
+                                 "tiny-w8a8-dynamic", "tiny-w8a8", "tiny-lora"])
     parser.add_argument("--modes", nargs="+",
                         default=["gemm", "hf", "eager", "FULL_AND_PIECEWISE"],
                         help="'hf' (transformers generate), 'gemm' (the step's matrix "
@@ -123,7 +137,8 @@ def main():
     paths = {"tiny": tiny_model_dir("llama"), "smollm2": str(smollm2_dir()),
              "qwen3-moe": tiny_model_dir("qwen3_moe"), "qwen2-moe": tiny_model_dir("qwen2_moe"),
              "tiny-w8a8-dynamic": quantized_model_dir("llama", "W8A8_DYNAMIC", "bfloat16"),
-             "tiny-w8a8": quantized_model_dir("llama", "W8A8", "bfloat16")}
+             "tiny-w8a8": quantized_model_dir("llama", "W8A8", "bfloat16"),
+             "tiny-lora": tiny_model_dir("llama")}
     results = {}
     for model in args.models:
         for classes in args.classes:
@@ -132,7 +147,8 @@ def main():
             os.environ["VLLM_PLUGINS"] = "ascend" if classes == "upstream" else \
                 "ascend,ascend_models"
             for mode in args.modes:
-                if mode in ("hf", "gemm") and (classes != args.classes[0] or "w8a8" in model):
+                derived = "w8a8" in model or model == "tiny-lora"  # compared with tiny
+                if mode in ("hf", "gemm") and (classes != args.classes[0] or derived):
                     continue
                 start = time.perf_counter()
                 if mode == "gemm":
@@ -144,9 +160,12 @@ def main():
                 else:
                     from vllm import LLM
 
+                    lora = model == "tiny-lora"
                     llm = LLM(paths[model], dtype="bfloat16", max_model_len=512, seed=0,
-                              max_num_seqs=max(args.batches), **engine_args(mode))
-                    generate = vllm_generator(llm)
+                              max_num_seqs=max(args.batches), **engine_args(mode),
+                              **(dict(enable_lora=True, max_lora_rank=8, max_loras=2)
+                                 if lora else {}))
+                    generate = vllm_generator(llm, lora_requests() if lora else ())
                 startup = time.perf_counter() - start
                 for batch in args.batches:
                     results[(model, classes, mode, batch)] = decode_ms(generate, batch,
@@ -158,7 +177,7 @@ def main():
                 gc.collect()
 
     print(f"\n{'model':17} {'classes':9} {'mode':20} {'batch':>5} {'ms/step':>9} {'tok/s':>9} "
-          f"{'vs eager':>9} {'vs HF':>7} {'vs upstream':>11} {'vs bf16':>7}")
+          f"{'vs eager':>9} {'vs HF':>7} {'vs upstream':>11} {'vs tiny':>7}")
     for (model, classes, mode, batch), ms in results.items():
         def ratio(key):
             base = results.get(key)
@@ -167,7 +186,7 @@ def main():
         print(f"{model:17} {classes:9} {mode:20} {batch:5d} {ms:9.2f} {1000 * batch / ms:9.1f} "
               f"{ratio((model, classes, 'eager', batch)):>9} "
               f"{ratio((model, args.classes[0], 'hf', batch)):>7} {up:>11} "
-              f"{ratio(('tiny', classes, mode, batch)) if 'w8a8' in model else '-':>7}")
+              f"{ratio(('tiny', classes, mode, batch)) if model.startswith('tiny-') else '-':>7}")
 
 
 if __name__ == "__main__":

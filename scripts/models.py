@@ -600,6 +600,107 @@ CALIBRATION = ["The capital of France is", "Write a haiku about the sea.",
                "1, 2, 3, 4, 5,", "def fibonacci(n):"]
 
 
+# A LoRA adapter's projections: every linear layer of a tiny dense model, as PEFT names them.
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_RANK, LORA_ALPHA = 8, 16
+# B's spread: A @ B then moves each projection's output by about as much as its own weights
+# (0.08 each, scaled by alpha / r = 2), so an adapter's greedy tokens differ from the base
+# model's at most positions (measured: lora_effect()) while its logits stay as decisive.
+LORA_STD = 0.08
+
+
+def lora_adapter_dir(family: str, seed: int) -> str:
+    """A rank-8 LoRA adapter in PEFT's format (adapter_config.json, adapter_model.safetensors)
+    for the tiny ``family`` model, on every projection of every layer; ``seed`` gives another
+    adapter. Saved once."""
+    import json
+
+    import safetensors.torch
+    import torch
+    import transformers
+
+    base = pathlib.Path(tiny_model_dir(family))
+    path = CACHE / "models" / f"lora-{base.name}-seed{seed}-v1"
+    if (path / "adapter_config.json").exists():
+        return str(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed)
+    weights = {}
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in LORA_MODULES:
+            out_features, in_features = module.weight.shape
+            prefix = f"base_model.model.{name}"
+            weights[f"{prefix}.lora_A.weight"] = torch.randn(
+                LORA_RANK, in_features, generator=generator) * LORA_STD
+            weights[f"{prefix}.lora_B.weight"] = torch.randn(
+                out_features, LORA_RANK, generator=generator) * LORA_STD
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": LORA_RANK,
+              "lora_alpha": LORA_ALPHA, "target_modules": list(LORA_MODULES), "bias": "none",
+              "lora_dropout": 0.0, "fan_in_fan_out": False, "use_rslora": False,
+              "modules_to_save": None, "base_model_name_or_path": str(base)}
+    tmp = path.with_suffix(".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    safetensors.torch.save_file(weights, str(tmp / "adapter_model.safetensors"))
+    (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    tmp.rename(path)
+    return str(path)
+
+
+def lora_merged_dir(family: str, seed: int) -> str:
+    """The tiny ``family`` model with lora_adapter_dir(family, seed) merged into its weights
+    (W + alpha / r * B @ A, in float32): the reference its adapter's output is compared with."""
+    import shutil
+
+    import safetensors.torch
+
+    adapter = pathlib.Path(lora_adapter_dir(family, seed))
+    base = pathlib.Path(tiny_model_dir(family))
+    path = CACHE / "models" / f"{adapter.name}-merged"
+    if (path / "config.json").exists():
+        return str(path)
+    tmp = path.with_suffix(".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(base, tmp)
+    weights = safetensors.torch.load_file(str(tmp / "model.safetensors"))
+    lora = safetensors.torch.load_file(str(adapter / "adapter_model.safetensors"))
+    for key, a in lora.items():
+        if key.endswith(".lora_A.weight"):
+            name = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+            b = lora[key.replace("lora_A", "lora_B")]
+            weights[f"{name}.weight"] += LORA_ALPHA / LORA_RANK * (b @ a)
+    safetensors.torch.save_file(weights, str(tmp / "model.safetensors"),
+                                metadata={"format": "pt"})
+    tmp.rename(path)
+    return str(path)
+
+
+def lora_effect(family: str, seed: int, prompts: list[str], max_tokens: int) -> dict:
+    """How an adapter moves the tiny model: the share of greedy positions where the merged
+    model's token differs from the base model's, and the merged model's smallest top-two gap."""
+    differ = total = 0
+    for prompt in prompts:
+        base = _greedy_tokens(tiny_model_dir(family), prompt, max_tokens)
+        merged = _greedy_tokens(lora_merged_dir(family, seed), prompt, max_tokens)
+        differ += sum(a != b for a, b in zip(base, merged))
+        total += max_tokens
+    gaps = logit_gaps(lora_merged_dir(family, seed), prompts, max_tokens)
+    return {"differ": differ / total, "smallest_gap": min(min(g) for g in gaps)}
+
+
+def _greedy_tokens(path: str, prompt: str, max_tokens: int) -> list[int]:
+    import torch
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ids = tok(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                             pad_token_id=tok.pad_token_id or 0, eos_token_id=None)
+    return out[0, ids.shape[1]:].tolist()
+
+
 def per_expert(state: dict):
     """(name, tensor) of ``state`` with HF's fused experts split into one tensor per expert and
     projection (``...mlp.experts.{e}.gate_proj.weight``), as checkpoints name them."""

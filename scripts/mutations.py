@@ -308,6 +308,20 @@ MUTATIONS = [
              "the overrides import RMSNorm from it.\n        return",
              "the overrides import RMSNorm from it.\n        import vllm_ascend.ops  # noqa: F401",
              ("tests/ut/test_plugins.py", "-k", "fresh")),
+    Mutation("lora-slot-mask-ignored",
+             "every token gets the sum of all loaded adapters, not its own",
+             "vllm_ascend/lora/punica_npu.py",
+             "        return (slot == torch.arange(slots, device=slot.device)).to(torch.float32)",
+             "        return torch.ones(rows, slots)",
+             ("tests/e2e/test_lora.py", "-k", "mixing and FULL_DECODE_ONLY")),
+    Mutation("lora-graph-cases-uncounted",
+             "the stream budget counts each capture size once with LoRA on, where vLLM "
+             "captures it twice (no adapter; any adapter): start-up can run out of streams",
+             "vllm_ascend/compilation/capture_sizes.py",
+             "    if not vllm_config.compilation_config.cudagraph_specialize_lora:\n"
+             "        return 1",
+             "    if True:\n        return 1",
+             ("tests/e2e/test_lora.py", "-k", "plan and FULL_DECODE_ONLY")),
     Mutation("modelslim-mtp-layer-unnamed",
              "an export whose description leaves out DeepSeek's MTP layer fails saying the "
              "description is another model's, not how to list the layer",

@@ -69,7 +69,7 @@ def capture_descriptors(compilation_config, max_num_seqs: int, decode_query_len:
 
 
 def graph_plan(vllm_config, stream_budget: int) -> GraphPlan:
-    from vllm_ascend.compilation.capture_sizes import streams_per_graph
+    from vllm_ascend.compilation.capture_sizes import lora_graph_cases, streams_per_graph
 
     cc, model = vllm_config.compilation_config, vllm_config.model_config
     parallel, spec = vllm_config.parallel_config, vllm_config.speculative_config
@@ -77,7 +77,8 @@ def graph_plan(vllm_config, stream_budget: int) -> GraphPlan:
     descs = capture_descriptors(cc, vllm_config.scheduler_config.max_num_seqs, 1 + k)
     layers = model.get_num_layers(parallel)
     pieces = {"PIECEWISE": layers + 1, "FULL": 1}
-    graphs = {mode: len(sizes) * pieces[mode] for mode, sizes in descs.items()}
+    cases = lora_graph_cases(vllm_config)  # LoRA: each size once per count of active adapters
+    graphs = {mode: len(sizes) * pieces[mode] * cases for mode, sizes in descs.items()}
     draft = getattr(spec, "draft_model_config", None) if spec is not None else None
     drafter = 0
     if draft is not None and "PIECEWISE" in descs:  # vLLM captures drafters piecewise only

@@ -99,6 +99,10 @@ class NPUPlatform(Platform):
         return device.current.pin_memory_available()
 
     @classmethod
+    def get_punica_wrapper(cls) -> str:
+        return "vllm_ascend.lora.punica_npu.PunicaWrapperNPU"
+
+    @classmethod
     def import_kernels(cls) -> None:
         # No vllm._C here: every kernel the plugin needs comes from device/. The CustomOp
         # overrides (vllm_ascend.ops) register when the worker's model runner module loads, as
@@ -229,6 +233,7 @@ class NPUPlatform(Platform):
 
         scheduler_config = vllm_config.scheduler_config
         cls._check_speculative_config(vllm_config.speculative_config, parallel_config)
+        cls._check_lora_config(vllm_config)
         if vllm_config.speculative_config is not None and scheduler_config.async_scheduling:
             # Under async speculative decoding the host's KV lengths are only an upper bound
             # (vLLM corrects them on the device); FIA takes them as host lists and needs them
@@ -283,7 +288,8 @@ class NPUPlatform(Platform):
                     isinstance(value, (bool, type(None))):
                 setattr(pass_config, name, False)
         # The Ascend kernels are CustomOps (forward_oot): keep them on unless the user said no.
-        if "none" not in compilation_config.custom_ops and "all" not in compilation_config.custom_ops:
+        custom_ops = compilation_config.custom_ops
+        if "none" not in custom_ops and "all" not in custom_ops:
             compilation_config.custom_ops.append("all")
         os.environ.setdefault("VLLM_DISABLE_SHARED_EXPERTS_STREAM", "1")
         cls._spawn_if_fork_is_unsafe()
@@ -386,6 +392,25 @@ class NPUPlatform(Platform):
                 "speculative decoding off.")
 
     @classmethod
+    def _check_lora_config(cls, vllm_config: "VllmConfig") -> None:
+        """LoRA where the NPU punica wrapper (vllm_ascend/lora) has no path: refused."""
+        if vllm_config.lora_config is None or vllm_config.model_config is None:
+            return
+        fix = "Serve without --enable-lora, or merge the adapter into the weights first."
+        if vllm_config.model_config.use_mla:
+            raise ValueError("LoRA on an MLA model (DeepSeek) is not supported by vllm-ascend "
+                             "yet: the Ascend MLA layer absorbs kv_b_proj's weights into its "
+                             "attention (W_UK, W_UV), past vLLM's LoRA wrappers. " + fix)
+        if vllm_config.model_config.is_moe:
+            raise ValueError("LoRA on a mixture-of-experts model is not supported by "
+                             "vllm-ascend yet: the NPU punica wrapper has no fused-MoE LoRA. "
+                             + fix)
+        if vllm_config.speculative_config is not None:
+            raise ValueError("LoRA with speculative decoding is not supported by vllm-ascend "
+                             "yet: the drafter's graphs with adapters are untested. Turn "
+                             "speculative decoding off, or " + fix[0].lower() + fix[1:])
+
+    @classmethod
     def _apply_graph_mode(cls, vllm_config: "VllmConfig") -> None:
         """Settle the graph mode and the capture sizes before vLLM's dispatcher, compile sizes
         and the runner read them, and say what was decided."""
@@ -394,7 +419,7 @@ class NPUPlatform(Platform):
         from vllm_ascend.attention.backend import AscendAttentionMetadataBuilder
         from vllm_ascend.attention.mla import AscendMLAMetadataBuilder
         from vllm_ascend.compilation.capture_sizes import (DEFAULT_STREAM_RESERVE,
-                                                           plan_capture_sizes)
+                                                           lora_graph_cases, plan_capture_sizes)
         from vllm_ascend.compilation.modes import ModelKind, resolve_graph_mode
 
         cc, model_config = vllm_config.compilation_config, vllm_config.model_config
@@ -426,7 +451,7 @@ class NPUPlatform(Platform):
             # graphs capture no DP group (only MoE layers communicate across DP ranks).
             data_parallel=parallel.data_parallel_size if model_config.is_moe else 1,
             draft_layers=draft.get_num_layers(parallel) if draft is not None else 0,
-            multiple_of=multiple,
+            lora_cases=lora_graph_cases(vllm_config), multiple_of=multiple,
             stream_total=int(extra.get("graph_stream_total", device.current.stream_budget())),
             stream_reserve=int(extra.get("graph_stream_reserve", DEFAULT_STREAM_RESERVE)))
         if cc.cudagraph_capture_sizes and all(s % multiple for s in cc.cudagraph_capture_sizes):

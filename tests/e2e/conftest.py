@@ -364,12 +364,12 @@ def word_prompt(words: int) -> str:
     return " ".join(vocabulary[(i * 7 + 5) % len(vocabulary)] for i in range(words))
 
 
-def vllm_greedy(llm, prompts, max_tokens, **kwargs):
+def vllm_greedy(llm, prompts, max_tokens, lora_request=None, **kwargs):
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=TOPK, ignore_eos=True,
                             **kwargs)
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    outs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora_request)
     return [(list(o.outputs[0].token_ids),
              [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs])
             for o in outs]

@@ -58,6 +58,13 @@ def test_streams_per_size_of_known_layouts(case, streams):
     assert len(plan.kept) == min(len(UPSTREAM_SIZES), 1800 // streams)  # 2048 - 248 usable
 
 
+def test_lora_captures_each_size_once_without_and_once_with_adapters():
+    """vLLM's dispatcher with LoRA on (cudagraph_specialize_lora, its default): 2 cases."""
+    plan = plan_capture_sizes(UPSTREAM_SIZES, M.FULL_AND_PIECEWISE, 30, lora_cases=2)
+    assert plan.streams_per_size == 2 * (31 + 1)
+    assert len(plan.kept) == 1800 // 64
+
+
 def test_30_layers_piecewise_at_tp2_keeps_29_sizes():
     plan = plan_capture_sizes(UPSTREAM_SIZES, M.PIECEWISE, 30, tensor_parallel=2)
     assert (plan.streams_per_size, len(plan.kept), plan.streams_needed) == (62, 29, 1798)

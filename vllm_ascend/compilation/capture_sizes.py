@@ -30,13 +30,29 @@ class CapturePlan:
         return self.streams_per_size * len(self.kept)
 
 
-def graphs_per_size(mode: CUDAGraphMode, num_layers: int, draft_layers: int = 0) -> int:
+def graphs_per_size(mode: CUDAGraphMode, num_layers: int, draft_layers: int = 0,
+                    lora_cases: int = 1) -> int:
     """ACL graphs one capture size costs in ``mode``. A speculative drafter's model (a draft
     model or an EAGLE head, of ``draft_layers``) adds its own pieces where there are pieces:
-    vLLM captures drafters in PIECEWISE only, never FULL."""
-    pieces = num_layers + 1 + (draft_layers + 1 if draft_layers else 0)
+    vLLM captures drafters in PIECEWISE only, never FULL. With LoRA, vLLM captures the model's
+    graphs once per ``lora_cases`` (lora_graph_cases)."""
+    pieces = (num_layers + 1) * lora_cases + (draft_layers + 1 if draft_layers else 0)
     return ((pieces if mode.has_piecewise_cudagraphs() else 0)
-            + (1 if mode.has_full_cudagraphs() else 0))
+            + (lora_cases if mode.has_full_cudagraphs() else 0))
+
+
+def lora_graph_cases(vllm_config) -> int:
+    """How many times vLLM's CudagraphDispatcher captures each size: once without LoRA, or,
+    with LoRA, once per count of active adapters it specializes on (by default: none and any,
+    two) or once for any (``cudagraph_specialize_lora`` off)."""
+    lora = vllm_config.lora_config
+    if lora is None:
+        return 1
+    if not vllm_config.compilation_config.cudagraph_specialize_lora:
+        return 1
+    from vllm.lora.utils import get_captured_lora_counts
+
+    return 1 + len(get_captured_lora_counts(lora.max_loras, lora.specialize_active_lora))
 
 
 def streams_per_graph(tensor_parallel: int, data_parallel: int) -> int:
@@ -56,14 +72,15 @@ def evenly_spread(sizes: list[int], n: int) -> list[int]:
 
 def plan_capture_sizes(requested: list[int], mode: CUDAGraphMode, num_layers: int, *,
                        tensor_parallel: int = 1, data_parallel: int = 1, draft_layers: int = 0,
-                       multiple_of: int = 1, stream_total: int = DEFAULT_STREAM_TOTAL,
+                       lora_cases: int = 1, multiple_of: int = 1,
+                       stream_total: int = DEFAULT_STREAM_TOTAL,
                        stream_reserve: int = DEFAULT_STREAM_RESERVE) -> CapturePlan:
     sizes = sorted(set(requested))
     aligned = [s for s in sizes if s % multiple_of == 0]
     usable = max(stream_total - stream_reserve, 0)
     narrowed = []
     while True:
-        per_size = graphs_per_size(mode, num_layers, draft_layers) * \
+        per_size = graphs_per_size(mode, num_layers, draft_layers, lora_cases) * \
             streams_per_graph(tensor_parallel, data_parallel)
         if mode == CUDAGraphMode.NONE or not aligned:
             return CapturePlan(CUDAGraphMode.NONE if not aligned else mode, [], sizes, per_size,
