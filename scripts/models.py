@@ -266,14 +266,38 @@ def agreeing_mtp_dir(family: str) -> str:
     ``eh_proj`` fitted by fit_draft_projection, its decoder block's output projections zero
     (attention and MLP, every expert's, add nothing), so the target accepts its drafts on the
     fitted prompts."""
+    source = pathlib.Path(tiny_model_dir(family))
+    prefix = f"model.layers.{TINY_LAYERS}."  # the first MTP layer
+
+    def agree(weights):
+        eh_proj = fit_draft_projection(str(source), normalise_inputs=True,
+                                       prompts=fit_prompts(family))
+        weights[prefix + "eh_proj.weight"] = eh_proj.to(weights[prefix + "eh_proj.weight"].dtype)
+        for name, t in weights.items():  # attention's output, and every down projection of its MLP
+            if name == f"{prefix}self_attn.o_proj.weight" or (
+                    name.startswith(f"{prefix}mlp.") and name.endswith("down_proj.weight")):
+                t.zero_()
+
+    return _edited_copy(source, CACHE / "models" / f"{source.name}-agreeing-v5", agree)
+
+
+def _edited_copy(source: pathlib.Path, path: pathlib.Path, edit) -> str:
+    """The checkpoint ``source`` copied to ``path`` once, its weights (model.safetensors) changed
+    in place by ``edit(weights)``."""
     import shutil
 
     import safetensors.torch
 
-    source = pathlib.Path(tiny_model_dir(family))
-    path = CACHE / "models" / f"{source.name}-agreeing-v5"
     if (path / "config.json").exists():
         return str(path)
+    tmp = path.with_suffix(".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(source, tmp)
+    weights = safetensors.torch.load_file(str(tmp / "model.safetensors"))
+    edit(weights)
+    safetensors.torch.save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    tmp.rename(path)
+    return str(path)
     tmp = path.with_suffix(".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(source, tmp)
@@ -474,9 +498,6 @@ def eagle_head_dir(target: str, agreeing: bool = False) -> str:
     the layer's output projections zero, so that the target accepts its drafts on the fitted
     prompts. vLLM loads it as EagleLlamaForCausalLM and shares the target's embedding and LM
     head."""
-    import json
-
-    import safetensors.torch
     import torch
     import transformers
 
@@ -498,6 +519,15 @@ def eagle_head_dir(target: str, agreeing: bool = False) -> str:
         weights["fc.weight"] = fit_draft_projection(target)
         for name in ("self_attn.o_proj", "mlp.down_proj"):
             weights[f"layers.0.{name}.weight"].zero_()
+    return _save_head(path, weights, config)
+
+
+def _save_head(path: pathlib.Path, weights: dict, config) -> str:
+    """A draft head's weights and config saved at ``path``, once complete."""
+    import json
+
+    import safetensors.torch
+
     tmp = path.with_suffix(".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
     safetensors.torch.save_file({k: v.contiguous() for k, v in weights.items()},
@@ -529,9 +559,6 @@ def eagle3_head_dir(target: str, agreeing: bool = False) -> str:
     accepts its first draft of a step on the fitted prompts. (A second draft reads the head's
     own output instead, without ``fc``: with midlayer adding nothing, it repeats the first.)
     vLLM loads it as Eagle3LlamaForCausalLM."""
-    import json
-
-    import safetensors.torch
     import torch
     import transformers
 
@@ -577,13 +604,7 @@ def eagle3_head_dir(target: str, agreeing: bool = False) -> str:
     lm_head = transformers.AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32)
     weights["lm_head.weight"] = lm_head.get_output_embeddings().weight.detach()[draft_ids]
     weights["d2t"] = draft_ids - torch.arange(EAGLE3_DRAFT_VOCAB)
-    tmp = path.with_suffix(".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    safetensors.torch.save_file({k: v.contiguous() for k, v in weights.items()},
-                                str(tmp / "model.safetensors"))
-    (tmp / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
-    tmp.rename(path)
-    return str(path)
+    return _save_head(path, weights, config)
 
 
 # The linear layers a ModelSlim export quantizes in the tiny families (attention, a dense MLP, a
@@ -649,29 +670,20 @@ def lora_adapter_dir(family: str, seed: int) -> str:
 def lora_merged_dir(family: str, seed: int) -> str:
     """The tiny ``family`` model with lora_adapter_dir(family, seed) merged into its weights
     (W + alpha / r * B @ A, in float32): the reference its adapter's output is compared with."""
-    import shutil
-
     import safetensors.torch
 
     adapter = pathlib.Path(lora_adapter_dir(family, seed))
-    base = pathlib.Path(tiny_model_dir(family))
-    path = CACHE / "models" / f"{adapter.name}-merged"
-    if (path / "config.json").exists():
-        return str(path)
-    tmp = path.with_suffix(".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(base, tmp)
-    weights = safetensors.torch.load_file(str(tmp / "model.safetensors"))
-    lora = safetensors.torch.load_file(str(adapter / "adapter_model.safetensors"))
-    for key, a in lora.items():
-        if key.endswith(".lora_A.weight"):
-            name = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
-            b = lora[key.replace("lora_A", "lora_B")]
-            weights[f"{name}.weight"] += LORA_ALPHA / LORA_RANK * (b @ a)
-    safetensors.torch.save_file(weights, str(tmp / "model.safetensors"),
-                                metadata={"format": "pt"})
-    tmp.rename(path)
-    return str(path)
+
+    def merge(weights):
+        lora = safetensors.torch.load_file(str(adapter / "adapter_model.safetensors"))
+        for key, a in lora.items():
+            if key.endswith(".lora_A.weight"):
+                name = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+                b = lora[key.replace("lora_A", "lora_B")]
+                weights[f"{name}.weight"] += LORA_ALPHA / LORA_RANK * (b @ a)
+
+    return _edited_copy(pathlib.Path(tiny_model_dir(family)),
+                        CACHE / "models" / f"{adapter.name}-merged", merge)
 
 
 def lora_effect(family: str, seed: int, prompts: list[str], max_tokens: int) -> dict:
