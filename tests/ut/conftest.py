@@ -1,3 +1,5 @@
+import socket
+
 import pytest
 
 from vllm_ascend.device.sim import npu
@@ -10,3 +12,17 @@ def device_context():
     npu.set_device(0)
     yield
     npu.release_device()
+
+
+def on_two_ranks(rank_fn) -> list:
+    """What ``rank_fn(rank, port, results)`` leaves in ``results[rank]``, run by two processes
+    (workers on devices 0 and 1, which this process lets go) that rendezvous on ``port``."""
+    import torch.multiprocessing as mp
+
+    npu.release_device()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = mp.Manager().dict()
+    mp.spawn(rank_fn, args=(port, results), nprocs=2)
+    return [results[rank] for rank in (0, 1)]

@@ -4,6 +4,7 @@ torch_npu's own API (NPUGraph, torch.npu.graph, task groups and updates, Externa
 import pytest
 import torch
 
+from tests.ut.conftest import on_two_ranks
 from vllm_ascend.device import sim as torch_npu
 from vllm_ascend.device.sim import npu
 from vllm_ascend.device.sim.graph import GraphCaptureError, GraphReplayError, StreamResourceError
@@ -580,18 +581,8 @@ def _collective_rank(rank, port, results):
 
 
 def test_a_captured_all_reduce_is_replayed_and_its_group_costs_a_stream():
-    npu.release_device()  # the ranks' processes take devices 0 and 1
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    results = mp.Manager().dict()
-    mp.spawn(_collective_rank, args=(port, results), nprocs=2)
-    for rank in (0, 1):
-        out, streams, after_reset, functional, mine = results[rank]
+    for rank, found in enumerate(on_two_ranks(_collective_rank)):
+        out, streams, after_reset, functional, mine = found
         assert out == [10.0 * (2 + 3) + 1] * 4  # reduced at replay, not the capture's values
         # both ranks' replayed tokens (5 and 6) gathered, x 10, summed over the two ranks
         assert mine == [[2 * 10.0 * (5 + rank)] * 3] * 2

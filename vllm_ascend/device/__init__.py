@@ -128,6 +128,17 @@ class Backend:
         """The setting that sizes this device's memory, where there is one."""
         return None
 
+    def hccl_comm_name(self, group: torch.distributed.ProcessGroup) -> str:
+        """The name MC2's operators take as ``group_ep`` for a device process group: its HCCL
+        communicator's (upstream's ``TokenDispatcherWithMC2``)."""
+        backend = group._get_backend(torch.device("npu"))
+        return backend.get_hccl_comm_name(torch.distributed.get_rank(group))
+
+    def hccl_buffer_bytes(self) -> int:
+        """HCCL's window per communicator and direction, what MC2's operators exchange through:
+        HCCL_BUFFSIZE MB (CANN's default 200)."""
+        return int(os.environ.get("HCCL_BUFFSIZE", "200")) << 20
+
     def fork_unsafe_reason(self) -> str | None:
         """Why a child process of this one must be spawned rather than forked, or None."""
         # As vLLM does for CUDA: a forked child cannot use a device its parent initialised.
@@ -183,6 +194,14 @@ class SimBackend(Backend):
 
     def memory_setting(self) -> str | None:
         return "VLLM_ASCEND_SIM_MEMORY_GB"
+
+    def hccl_comm_name(self, group: torch.distributed.ProcessGroup) -> str:
+        return self.torch_npu.mc2.comm_name(group)  # the gloo group the simulated ops gather on
+
+    def hccl_buffer_bytes(self) -> int:
+        from vllm_ascend.device.sim import memory
+
+        return memory.hccl_buffer_bytes(self.total_memory()) // 2
 
     def communicator_bytes(self, device_total: int) -> int:
         from vllm_ascend.device.sim import memory

@@ -9,6 +9,7 @@ import sys
 import torch
 
 from vllm_ascend.device.sim import graph as _graph
+from vllm_ascend.device.sim import mc2  # noqa: F401  (registers the MC2 operators)
 from vllm_ascend.device.sim import mla as _mla
 from vllm_ascend.device.sim import moe as _moe  # noqa: F401  (registers the MoE operators)
 from vllm_ascend.device.sim import npu  # noqa: F401  (torch_npu.npu, i.e. torch.npu)
@@ -170,6 +171,8 @@ npu_moe_gating_top_k_softmax = torch.ops.ascend_sim.npu_moe_gating_top_k_softmax
 npu_moe_gating_top_k = torch.ops.ascend_sim.npu_moe_gating_top_k
 npu_moe_init_routing_v2 = torch.ops.ascend_sim.npu_moe_init_routing_v2
 npu_moe_token_unpermute = torch.ops.ascend_sim.npu_moe_token_unpermute
+npu_moe_distribute_dispatch_v2 = torch.ops.ascend_sim.npu_moe_distribute_dispatch_v2
+npu_moe_distribute_combine_v2 = torch.ops.ascend_sim.npu_moe_distribute_combine_v2
 _GMM_QUANT = ("offset", "antiquant_scale", "antiquant_offset", "activation_input",
               "activation_quant_scale", "activation_quant_offset")
 

@@ -698,9 +698,33 @@ def _opened(what: str) -> int:
     return _context
 
 
+# The chip the simulator answers as: $VLLM_ASCEND_SIM_SOC names an Atlas A2 (Ascend910B*) or A3
+# (Ascend910_93*) SoC, as torch_npu's get_device_name returns it, and the simulated operators
+# whose contract differs by chip (MC2, sim/mc2.py) check that chip's limits. Unset, the device
+# is no chip of those, and the chip-specific operators refuse to run.
+SOC_ENV = "VLLM_ASCEND_SIM_SOC"
+DEFAULT_SOC = "Ascend simulator (CPU)"
+SOC_PREFIXES = {"Ascend910B": "A2", "Ascend910_93": "A3"}
+
+
+def soc_name() -> str:
+    value = os.environ.get(SOC_ENV, "").strip()
+    if value and not any(value.startswith(p) for p in SOC_PREFIXES):
+        raise ValueError(f"{SOC_ENV}={value!r} is not a simulated SoC: name an Atlas A2 "
+                         "(Ascend910B1 ... Ascend910B4) or A3 (Ascend910_9382, ...) chip, or "
+                         "leave it unset")
+    return value or DEFAULT_SOC
+
+
+def soc_generation() -> str | None:
+    """``A2``, ``A3``, or None for the default simulator."""
+    name = soc_name()
+    return next((g for p, g in SOC_PREFIXES.items() if name.startswith(p)), None)
+
+
 def get_device_name(device=None) -> str:
     _opened("get_device_name")
-    return "Ascend simulator (CPU)"
+    return soc_name()
 
 
 def total_memory() -> int:
