@@ -7,9 +7,15 @@ FULL_AND_PIECEWISE in test_serve.py and test_defaults.py.
 
     python scripts/check_data_parallel.py --mode FULL_DECODE_ONLY
     python scripts/check_data_parallel.py --mode FULL_DECODE_ONLY --tensor-parallel-size 2
+    VLLM_ASCEND_SIM_SOC=Ascend910_9382 python scripts/check_data_parallel.py \
+        --family qwen3_moe_h1024 --mode FULL_DECODE_ONLY
+
+The last runs MC2 (an A3 chip simulated, a hidden size MC2 takes): the script prints the MoE
+communication of DP engine 0's steps.
 """
 
 import argparse
+import collections
 import concurrent.futures
 import json
 import os
@@ -18,7 +24,8 @@ import os
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--family", default="qwen3_moe", choices=["qwen3_moe", "qwen2_moe"])
+    parser.add_argument("--family", default="qwen3_moe",
+                        choices=["qwen3_moe", "qwen2_moe", "qwen3_moe_h1024"])
     parser.add_argument("--mode", default="FULL_DECODE_ONLY",
                         choices=["PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"])
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
@@ -50,6 +57,10 @@ def main() -> None:
         check_logprobs_close(hf_greedy(path, "Hi there", tokens), pinned, "pinned",
                              dtype=args.dtype)
         print("a request pinned to DP rank 0, rank 1 idle: close to HF transformers'")
+        steps = collections.Counter((s["mode"], s["moe_comm"])
+                                    for s in served_rpc(base, "recent_steps")[0])
+        print("  DP engine 0, TP rank 0 steps by (runtime mode, MoE communication):",
+              dict(sorted(steps.items())))
         for rank, counts in enumerate(served_graph_counts(base)):
             print(f"  DP engine 0, TP rank {rank}: captured {counts['captured']}, replayed "
                   f"{counts['replayed']}, streams {counts['streams_in_use']}")

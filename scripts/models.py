@@ -60,6 +60,12 @@ TINY_FAMILIES = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
         "head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
         "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}),
+    # Qwen3-MoE at the narrowest hidden size an A3's MC2 operators take (1024): the model the
+    # MC2 tests serve (docs/moe.md).
+    "qwen3_moe_h1024": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
+        "hidden_size": 1024, "head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 64, "norm_topk_prob": True, "decoder_sparse_step": 1,
+        "mlp_only_layers": []}),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {
         "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
         "shared_expert_intermediate_size": 128, "norm_topk_prob": False,
@@ -124,6 +130,11 @@ LM_HEAD_SCALE = 8.0
 # 2.8 in HF's own bfloat16 run. With 8.0 most scores saturate and the bias decides among them:
 # its smallest gap over the test prompts is 0.029 (scripts/models.py routing_gaps).
 ROUTER_STD = {"glm4_moe": 8.0}
+# Weights' spread per family (else 0.08, for the hidden size of 128): a wider model draws them
+# narrower by sqrt(128 / hidden), so its activations and logits keep the tiny models' scale.
+# (Drawn at 0.08, the hidden-1024 Qwen3-MoE at TP=2 in float16 departed from HF's fp32 run by
+# 0.39 nats at its third token, with all-gather and MC2 alike.)
+WEIGHT_STD = {"qwen3_moe_h1024": 0.08 * (128 / 1024) ** 0.5}
 # Families made of another's checkpoint plus one MTP layer (model.layers.N.*), whose decoder
 # block is drawn as the family's layers are, from a seed of its own: the target is the other
 # family's model bit for bit, with its measured logit gaps and routing margins (docs/testing.md).
@@ -186,7 +197,7 @@ def _draw(module, family: str) -> None:
     with torch.no_grad():
         for p in module.parameters():
             if p.dim() > 1:
-                p.normal_(0, 0.08)
+                p.normal_(0, WEIGHT_STD.get(family, 0.08))
         # MoE routers with clear margins (router logits with a spread of about 11): a token's
         # top expert dominates, so when a rounding swaps its second and third, which tie now
         # and then, the output barely moves; with flat routers such a swap moves the logprobs

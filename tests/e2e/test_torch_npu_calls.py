@@ -204,6 +204,28 @@ TABLE = {
     "npu.graph_task_update_end": ([IDLE], {}),
 }
 
+# token_dispatcher.py TokenDispatcherWithMC2 (get_dispatch_mc2_kwargs, get_combine_mc_kwargs):
+# every argument by keyword, A3's extra TP arguments, global_bs 0 with the active mask, no
+# quantization (expand_scales: None on the chip, an empty tensor on the simulator). A DP engine
+# makes these calls, so test_data_parallel.py checks them, on a served engine.
+NAME = lambda d: isinstance(d, str) and d not in ("int", "float", "bool", "NoneType")  # noqa
+NAME.__doc__ = "a communicator's name"
+MC2_COMMON = {"expert_ids": tensor(2, ("int32",)), "expert_shard_type": INT,
+              "shared_expert_rank_num": INT, "moe_expert_num": INT, "global_bs": INT,
+              "x_active_mask": tensor(1, ("bool",)), "group_ep": NAME, "ep_world_size": INT,
+              "ep_rank_id": INT, "group_tp": NAME, "tp_world_size": INT, "tp_rank_id": INT}
+HALF = ("bfloat16", "float16")
+MC2_TABLE = {
+    "npu_moe_distribute_dispatch_v2": ([], {
+        **MC2_COMMON, "x": tensor(2, HALF), "expert_token_nums_type": INT,
+        "scales": value("NoneType"), "quant_mode": INT}),
+    "npu_moe_distribute_combine_v2": ([], {
+        **MC2_COMMON, "expand_x": tensor(2, HALF), "expert_scales": tensor(2, ("float32",)),
+        "ep_send_counts": tensor(1, ("int32",)), "assist_info_for_combine": tensor(1, ("int32",)),
+        "tp_send_counts": tensor(1, ("int32",)), "comm_quant_mode": INT,
+        "expand_scales": lambda d: d == "NoneType" or tensor(1, ("float32",))(d)}),
+}
+
 
 @pytest.fixture(scope="module")
 def call_log(tmp_path_factory):

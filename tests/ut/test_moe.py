@@ -1,36 +1,61 @@
-"""How MoE tokens reach other ranks' experts: one pure function of (chip generation, EP size,
-phase, graph), as upstream's select_moe_comm_method decides, with what vllm-ascend runs."""
+"""How MoE tokens reach other ranks' experts: one pure function of the layer's setup (chip, EP
+size, experts, hidden size, the largest graph batch, HCCL's buffer) and the step's tokens a rank,
+as upstream's select_moe_comm_method decides, with what vllm-ascend runs."""
+
+import dataclasses
 
 import pytest
 
-from vllm_ascend.ops.fused_moe.comm import MoEComm, chip_generation, select_moe_comm
+from vllm_ascend.ops.fused_moe.comm import (MoEComm, MoECommSetup, chip_generation,
+                                            mc2_window_bytes, select_moe_comm)
 
 AG, MC2, A2A = MoEComm.ALLGATHER, MoEComm.MC2, MoEComm.ALLTOALL
+MB = 1 << 20
+# DP=2 x EP over a Qwen3-MoE-like layer on an A3, capture sizes up to 32, 200 MB of HCCL buffer.
+A3 = MoECommSetup(generation="A3", ep_size=2, experts=8, top_k=2, hidden=1024,
+                  partitioned=True, largest_batch=32, window=200 * MB)
+A2_16 = dataclasses.replace(A3, generation="A2", ep_size=16, experts=64)
 
-# (generation, EP size, decode, in a graph) -> what upstream runs; vllm-ascend runs all-gather.
+
+def setup(base=A3, **change):
+    return dataclasses.replace(base, **change)
+
+
+# (setup, tokens a rank) -> (what vllm-ascend runs, what upstream runs, words of the reason)
 TABLE = [
-    ("A2", 1, True, True, AG),      # no expert parallelism
-    ("A2", 2, True, True, AG),      # EP below upstream's MC2 threshold
-    ("A2", 8, False, False, AG),
-    ("A2", 16, True, True, MC2),    # A2: MC2 for decode from 16 EP ranks
-    ("A2", 16, False, False, AG),   # ... a prefill stays all-gather
-    ("A3", 2, True, True, MC2),     # A3 prefers MC2
-    ("A3", 4, False, False, A2A),   # ... and all-to-all for a large eager batch
-    ("A3", 4, False, True, MC2),    # never all-to-all inside a graph
-    ("other", 4, True, True, AG),   # the simulator, 310P: all-gather
+    (setup(ep_size=1), 8, AG, AG, "no expert parallelism"),
+    (A3, 1, MC2, MC2, "MC2 up to 32 tokens a rank"),          # decode, any graph size
+    (A3, 32, MC2, MC2, "MC2 up to 32 tokens a rank"),         # the largest graph
+    (A3, 33, AG, A2A, "above 32 tokens a rank"),              # a large prefill: eager
+    (setup(largest_batch=4096), 600, AG, A2A, "above 512"),   # the chip's per-rank limit
+    (setup(hidden=128), 1, AG, MC2, "hidden size of 128"),    # below A3's 1024
+    (setup(hidden=8448), 1, AG, MC2, "hidden size of 8448"),
+    (setup(partitioned=False), 1, AG, MC2, "every EP rank holds every token"),
+    (setup(mc2_ops=False), 1, AG, MC2, "no npu_moe_distribute_dispatch_v2"),
+    (setup(experts=9), 1, AG, MC2, "9 experts over 2 ranks"),
+    (setup(top_k=17, experts=32), 1, AG, MC2, "top-17"),
+    (setup(window=1 * MB), 1, AG, MC2, "HCCL's buffer (1 MB) is below"),
+    (setup(generation="A2", ep_size=2), 1, AG, AG, "below upstream's MC2 threshold"),
+    (A2_16, 1, MC2, MC2, "MC2 up to 32 tokens a rank (A2"),  # A2: MC2 from 16 EP ranks
+    (A2_16, 33, AG, AG, "above 32 tokens a rank"),
+    (setup(A2_16, experts=16 * 25), 1, AG, AG, "EP over 16 ranks"),  # > 24 experts a rank
+    (setup(A2_16, largest_batch=300), 300, AG, AG, "above 256"),  # A2's per-rank limit
+    (setup(generation="other"), 1, AG, AG, "EP over 2 ranks"),  # the default simulator
 ]
 
 
-@pytest.mark.parametrize("generation,ep,decode,in_graph,upstream", TABLE)
-def test_comm_choice_table(generation, ep, decode, in_graph, upstream):
-    choice = select_moe_comm(generation, ep, decode, in_graph)
-    assert choice.upstream == upstream
-    assert choice.comm == AG  # the path vllm-ascend has, exact at any EP size and capturable
-    if upstream != AG:
-        assert upstream.value in choice.reason and "all-gather" in choice.reason
-    # "below the MC2 threshold" only where it is below
-    assert ("below upstream's MC2 threshold" in choice.reason) == (
-        generation == "A2" and 1 < ep < 16)
+@pytest.mark.parametrize("s,tokens,comm,upstream,words", TABLE)
+def test_comm_choice_table(s, tokens, comm, upstream, words):
+    choice = select_moe_comm(s, tokens)
+    assert (choice.comm, choice.upstream) == (comm, upstream)
+    assert words in choice.reason, choice.reason
+
+
+def test_the_buffer_refusal_names_the_size_that_fits():
+    choice = select_moe_comm(setup(window=1 * MB), 1)
+    need = -(-mc2_window_bytes("A3", 4, 32, 2, 1024, 2) // MB)
+    assert f"set HCCL_BUFFSIZE={need} or more" in choice.reason
+    assert select_moe_comm(setup(window=need * MB), 1).comm == MC2
 
 
 def test_chip_generation_from_the_device_name():

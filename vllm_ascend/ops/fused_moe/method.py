@@ -4,13 +4,16 @@ vllm-ascend's all-gather path calls them (``TokenDispatcherWithAllGather`` and
 
 vLLM builds every MoE layer's experts with ``UnquantizedFusedMoEMethod`` (a CustomOp); registered
 out of tree, this class takes its place. It routes inside the layer (a monolithic method: it gets
-the router logits, as upstream's does), and it does its own data-parallel all-gather and
-reduce-scatter, with the padding to the largest rank's token count that upstream's
-``PrepareAndFinalizeWithAllGather`` does, rather than vLLM's naive dispatch, which needs an
-all-to-all manager the NPU communicator does not have.
+the router logits, as upstream's does), and it moves tokens between data-parallel ranks itself
+rather than through vLLM's naive dispatch, which needs an all-to-all manager the NPU
+communicator does not have: an all-gather and reduce-scatter, with the padding to the largest
+rank's token count that upstream's ``PrepareAndFinalizeWithAllGather`` does, or, where the
+choice of comm.py says so, MC2's dispatch and combine as upstream's ``TokenDispatcherWithMC2``
+calls them.
 """
 
 import torch
+from vllm.config import CUDAGraphMode, get_current_vllm_config
 from vllm.distributed import get_dp_group, get_ep_group
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.activation import SwigluOAIAndMul
@@ -19,7 +22,8 @@ from vllm.model_executor.layers.fused_moe import MoEActivation, UnquantizedFused
 from vllm_ascend import device
 from vllm_ascend.device import torch_npu
 from vllm_ascend.logger import get_logger
-from vllm_ascend.ops.fused_moe.comm import chip_generation, select_moe_comm
+from vllm_ascend.ops.fused_moe.comm import (MoEComm, MoECommSetup, chip_generation,
+                                             mc2_capacity, select_moe_comm)
 from vllm_ascend.ops.fused_moe.router import describe, route, routing_problems
 
 logger = get_logger(__name__)
@@ -63,6 +67,41 @@ def gather_group(parallel, num_tokens: int):
     return group, most
 
 
+def comm_setup(moe, vllm_config) -> MoECommSetup:
+    """The layer's side of the communication choice (comm.py): its chip, experts and parallel
+    layout, the largest batch a rank runs in a graph (upstream's MC2 capacity: the largest
+    capture size, or without graphs the largest decode batch), HCCL's buffer."""
+    parallel = moe.moe_parallel_config
+    compilation, scheduler = vllm_config.compilation_config, vllm_config.scheduler_config
+    spec = vllm_config.speculative_config
+    graphs = compilation.cudagraph_capture_sizes and compilation.cudagraph_mode not in (
+        None, CUDAGraphMode.NONE)
+    largest = (compilation.max_cudagraph_capture_size if graphs else
+               scheduler.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0)))
+    if parallel.is_sequence_parallel:
+        largest = -(-largest // parallel.sp_size)
+    return MoECommSetup(
+        generation=chip_generation(device.current.device_name()), ep_size=parallel.ep_size,
+        experts=moe.num_experts, top_k=moe.experts_per_token, hidden=moe.hidden_dim,
+        partitioned=parallel.dp_size > 1 and (parallel.tp_size == 1
+                                             or parallel.is_sequence_parallel),
+        largest_batch=largest, window=device.current.hccl_buffer_bytes(),
+        mc2_ops=all(hasattr(torch_npu, f"npu_moe_distribute_{op}_v2")
+                    for op in ("dispatch", "combine")))
+
+
+def step_comm(model: torch.nn.Module, num_tokens: int) -> str | None:
+    """The communication of the MoE layers in a step of ``num_tokens`` (the size the DP ranks
+    agreed on), as apply_monolithic chooses it, also for the graph a replay runs; None for a
+    dense model."""
+    layer = next((m for m in model.modules() if hasattr(m, "ascend_expert_range")), None)
+    if layer is None:
+        return None
+    parallel = layer.quant_method.moe.moe_parallel_config
+    per_rank = -(-num_tokens // parallel.sp_size) if parallel.is_sequence_parallel else num_tokens
+    return select_moe_comm(layer.quant_method.comm_setup, per_rank).comm.value
+
+
 def log_layout(model: torch.nn.Module) -> None:
     """One line per worker (after its model loaded): where this rank's experts are and how
     tokens reach them; nothing for a dense model."""
@@ -71,9 +110,9 @@ def log_layout(model: torch.nn.Module) -> None:
         return
     moe = layer.quant_method.moe
     parallel = moe.moe_parallel_config
-    generation = chip_generation(device.current.device_name())
-    choices = {select_moe_comm(generation, parallel.ep_size, decode, decode)
-               for decode in (True, False)}  # a decode in a graph, an eager prefill
+    setup = layer.quant_method.comm_setup
+    small, large = (select_moe_comm(setup, n)
+                    for n in (1, max(moe.max_num_tokens, mc2_capacity(setup) + 1)))
     first, last = layer.ascend_expert_range
     where = (f"experts {first}-{last - 1} of {layer.global_num_experts} on EP rank "
              f"{parallel.ep_rank} of {parallel.ep_size}" if parallel.use_ep else
@@ -83,15 +122,20 @@ def log_layout(model: torch.nn.Module) -> None:
     if parallel.dp_size <= 1:
         gather = "every rank sees every token, no dispatch"
     elif parallel.is_sequence_parallel:
-        gather = (f"tokens reach them by all-gather and reduce-scatter over the EP group "
-                  f"({parallel.ep_size} ranks, each TP rank bringing 1/{parallel.sp_size} of its "
-                  "DP rank's tokens)")
+        gather = (f"all-gather and reduce-scatter over the EP group ({parallel.ep_size} ranks, "
+                  f"each TP rank bringing 1/{parallel.sp_size} of its DP rank's tokens)")
     else:
-        gather = ("tokens reach them by all-gather and reduce-scatter over the DP group "
-                  f"({parallel.dp_size} ranks)")
-    logger.info("vllm-ascend: MoE layers: top-%d of %s; %s, in every phase and graph mode (%s)",
-                layer.top_k, where, gather,
-                "; ".join(sorted(c.reason for c in choices)))
+        gather = f"all-gather and reduce-scatter over the DP group ({parallel.dp_size} ranks)"
+    if small.comm == MoEComm.MC2:
+        how = (f"tokens reach them by MC2 dispatch and combine over the EP group "
+               f"({parallel.ep_size} ranks) up to {mc2_capacity(setup)} tokens a rank, every "
+               f"graph size included; above, by {gather}")
+    else:
+        how = (f"tokens reach them by {gather}" if parallel.dp_size > 1 else gather) + \
+            ", in every phase and graph mode"
+    reasons = [small.reason] + [large.reason] * (large.reason != small.reason)
+    logger.info("vllm-ascend: MoE layers: top-%d of %s; %s (%s)", layer.top_k, where, how,
+                "; ".join(reasons))
     logger.info("vllm-ascend: MoE routing: %s; experts %s", describe(layer),
                 getattr(layer.quant_method, "experts_kind", f"in {moe.in_dtype}"))
 
@@ -148,10 +192,17 @@ class AscendMoEExperts:
         layer.ascend_gating_bias = None if bias is None else bias.data.to(
             self.moe.router_logits_dtype)
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.comm_setup = comm_setup(self.moe, get_current_vllm_config())
+        self._group_ep = None  # MC2's name of the EP group, at the first MC2 step
+
     def apply_monolithic(self, layer, x: torch.Tensor, router_logits: torch.Tensor,
                          input_ids: torch.Tensor | None = None) -> torch.Tensor:
         num_tokens = x.shape[0]
         group, most = gather_group(self.moe.moe_parallel_config, num_tokens)
+        if select_moe_comm(self.comm_setup, most).comm == MoEComm.MC2:
+            return self._mc2(layer, x, router_logits, most)
         if group is not None:  # every rank routes every rank's tokens to its own experts
             pad = most - num_tokens
             if pad > 0:
@@ -163,6 +214,36 @@ class AscendMoEExperts:
         if group is not None:  # each rank gets back its own tokens, summed over all experts
             out = group.reduce_scatter(out, 0)[:num_tokens]
         return out
+
+    def _mc2(self, layer, x: torch.Tensor, router_logits: torch.Tensor, most: int):
+        """Each rank sends its tokens to the ranks holding their experts and gets back their
+        weighted sum, with upstream's arguments (TokenDispatcherWithMC2, A3). Every rank sends
+        ``most`` tokens (global_bs 0): a rank with fewer pads, and its mask leaves the padding
+        out. (In a graph every row is sent: upstream also masks the graph's padding, through a
+        buffer it rewrites before each replay.)"""
+        num_tokens = x.shape[0]
+        if most > num_tokens:
+            x = torch.nn.functional.pad(x, (0, 0, 0, most - num_tokens))
+            router_logits = torch.nn.functional.pad(router_logits, (0, 0, 0, most - num_tokens))
+        active = torch.arange(most, device=x.device) < num_tokens
+        topk_weights, topk_ids = route(layer, router_logits)
+        ep = get_ep_group()
+        if self._group_ep is None:
+            self._group_ep = device.current.hccl_comm_name(ep.device_group)
+        common = dict(expert_ids=topk_ids, expert_shard_type=0, shared_expert_rank_num=0,
+                      moe_expert_num=layer.global_num_experts, global_bs=0,
+                      x_active_mask=active, group_ep=self._group_ep, ep_world_size=ep.world_size,
+                      ep_rank_id=ep.rank_in_group, group_tp=self._group_ep, tp_world_size=1,
+                      tp_rank_id=0)
+        expand_x, _, assist, expert_tokens, ep_counts, tp_counts, expand_scales = \
+            torch_npu.npu_moe_distribute_dispatch_v2(
+                x=x, expert_token_nums_type=1, scales=None, quant_mode=0, **common)
+        down = self._mlp(layer, expand_x, expert_tokens)
+        out = torch_npu.npu_moe_distribute_combine_v2(
+            expand_x=down, expert_scales=topk_weights.to(torch.float32),
+            ep_send_counts=ep_counts, expand_scales=expand_scales, comm_quant_mode=0,
+            assist_info_for_combine=assist, tp_send_counts=tp_counts, **common)
+        return out[:num_tokens]
 
     def _experts(self, layer, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         top_k = layer.top_k
