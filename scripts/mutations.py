@@ -328,13 +328,13 @@ MUTATIONS = [
              "            expand_x=down, expert_scales=topk_weights.to(torch.float32),",
              "            expand_x=down, expert_scales=torch.ones_like(topk_weights, "
              "dtype=torch.float32),",
-             ("tests/e2e/test_data_parallel.py", "-k", "mc2")),
+             ("tests/e2e/test_data_parallel.py", "-k", "mc2 and FULL_DECODE_ONLY")),
     Mutation("mc2-never-dispatched",
              "the log and the step record say MC2 while the layers all-gather",
              "vllm_ascend/ops/fused_moe/method.py",
              "        if select_moe_comm(self.comm_setup, most).comm == MoEComm.MC2:",
              "        if False:",
-             ("tests/e2e/test_data_parallel.py", "-k", "mc2")),
+             ("tests/e2e/test_data_parallel.py", "-k", "mc2 and FULL_DECODE_ONLY")),
     Mutation("mc2-capacity-ignored",
              "MC2 runs above the largest graph batch and the chip's per-rank limit, where the "
              "HCCL buffer sized for the capacity overflows",

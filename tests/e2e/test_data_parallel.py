@@ -5,9 +5,10 @@ a worker each). Four concurrent answers and one pinned to rank 0 (rank 1 idle) c
 transformers, and DP engine 0's worker replays a FULL graph per decode step. FULL_AND_PIECEWISE
 with DP: test_serve.py (DP=2 x TP=2) and test_defaults.py (DP=2 + EP with nothing else).
 
-The same on a simulated A3 with a model of hidden size 1024: the MoE layers communicate by MC2
-(npu_moe_distribute_dispatch_v2/combine_v2) in the decode graphs and small eager steps, the
-calls as upstream's TokenDispatcherWithMC2 makes them."""
+The same on a simulated A3 with a model of hidden size 1024, and with DP=2 x TP=2 in
+FULL_AND_PIECEWISE: the MoE layers communicate by MC2 (npu_moe_distribute_dispatch_v2/
+combine_v2) in the decode graphs, the piecewise graphs and small eager steps, the calls as
+upstream's TokenDispatcherWithMC2 makes them."""
 
 import ast
 import json
@@ -31,7 +32,7 @@ TOKENS = 16  # the script's
 def check_data_parallel(*args, env=None):
     return subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "check_data_parallel.py"),
                            "--mode", "FULL_DECODE_ONLY", *args], capture_output=True, text=True,
-                          timeout=560, env=env)
+                          timeout=560, env=env)  # (a later --mode wins)
 
 
 def test_moe_served_with_dp2_and_ep_in_full_decode_only_answers_as_hf_with_full_replays():
@@ -49,21 +50,24 @@ def test_moe_served_with_dp2_and_ep_in_full_decode_only_answers_as_hf_with_full_
     assert replayed.get("FULL", 0) >= 2 * (TOKENS - 1), run.stdout
 
 
-@pytest.mark.parametrize("tp", ["1", "2"])  # 2: vLLM's sequence-parallel MoE, EP over DP x TP
-def test_mc2_on_a_simulated_a3_served_with_dp2_and_ep_in_full_decode_only(tmp_path, tp):
+# DP=2 in FULL_DECODE_ONLY; DP=2 x TP=2 (vLLM's sequence-parallel MoE: EP over DP x TP) in
+# FULL_AND_PIECEWISE, whose piecewise graphs capture MC2 as well
+@pytest.mark.parametrize("tp,mode", [("1", "FULL_DECODE_ONLY"), ("2", "FULL_AND_PIECEWISE")])
+def test_mc2_on_a_simulated_a3_served_with_dp2_and_ep(tmp_path, tp, mode):
     log = tmp_path / "calls.jsonl"
-    run = check_data_parallel("--family", "qwen3_moe_h1024", "--tensor-parallel-size", tp, env={
+    run = check_data_parallel("--family", "qwen3_moe_h1024", "--tensor-parallel-size", tp,
+                              "--mode", mode, env={
         **os.environ, "VLLM_ASCEND_SIM_SOC": "Ascend910_9382",
         "VLLM_ASCEND_SIM_CALL_LOG": str(log)})
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-4000:]
     note_printed_engines(run.stdout)
-    assert "FULL_DECODE_ONLY: 4 of 4 answers close to HF transformers'" in run.stdout, run.stdout
+    assert f"{mode}: 4 of 4 answers close to HF transformers'" in run.stdout, run.stdout
     assert "a request pinned to DP rank 0, rank 1 idle: close to HF" in run.stdout, run.stdout
     steps = ast.literal_eval(re.search(r"steps by \(runtime mode, MoE communication\): (\{.*\})",
                                        run.stdout)[1])
-    # every step is small (the largest capture size, 32, bounds MC2): decode graphs and eager
-    # prefills alike run MC2
-    assert set(steps) == {("FULL", "MC2"), ("NONE", "MC2")}, steps
+    # every step is small (the largest capture size, 32, bounds MC2): decode graphs, piecewise
+    # graphs and eager prefills alike run MC2
+    assert {comm for _, comm in steps} == {"MC2"} and ("NONE", "MC2") in steps, steps
     assert steps[("FULL", "MC2")] >= 2 * (TOKENS - 1), steps
     replayed = ast.literal_eval(re.search(r"replayed (\{.*?\})", run.stdout)[1])
     assert replayed.get("FULL", 0) >= 2 * (TOKENS - 1), run.stdout
