@@ -158,6 +158,11 @@ class AscendMoEExperts:
 
     activations = ACTIVATIONS  # the expert activations the method runs
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.comm_setup = comm_setup(self.moe, get_current_vllm_config())
+        self._group_ep = None  # MC2's name of the EP group, at the first MC2 step
+
     @property
     def is_monolithic(self) -> bool:
         return True  # routes from the router logits itself (router.py)
@@ -191,11 +196,6 @@ class AscendMoEExperts:
         bias = layer.e_score_correction_bias
         layer.ascend_gating_bias = None if bias is None else bias.data.to(
             self.moe.router_logits_dtype)
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.comm_setup = comm_setup(self.moe, get_current_vllm_config())
-        self._group_ep = None  # MC2's name of the EP group, at the first MC2 step
 
     def apply_monolithic(self, layer, x: torch.Tensor, router_logits: torch.Tensor,
                          input_ids: torch.Tensor | None = None) -> torch.Tensor:
