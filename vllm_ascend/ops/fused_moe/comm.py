@@ -15,6 +15,7 @@ cannot be captured; all-gather is exact at any size); the reason says which and 
 
 import dataclasses
 import enum
+import functools
 
 
 class MoEComm(enum.Enum):
@@ -26,7 +27,8 @@ class MoEComm(enum.Enum):
 MC2_MIN_EP_A2 = 16  # upstream's _select_a2_moe_comm_method
 MC2_MAX_EXPERTS_A2 = 24  # experts a rank, the same
 # dispatch_v2/combine_v2's limits per chip (torch_npu's API reference, fullmesh algorithms):
-# (EP sizes, hidden sizes, tokens a rank sends)
+# (EP sizes, hidden sizes, tokens a rank sends). The simulator keeps its own copy
+# (device/sim/mc2.py): it enforces the chip's limits whatever the product believes them to be.
 MC2_LIMITS = {"A3": (lambda ep: 2 <= ep <= 768, lambda h: 1024 <= h <= 8192, 512),
               "A2": (lambda ep: ep in (2, 3, 4, 5, 6, 7, 8, 16, 32, 64, 128, 256),
                      lambda h: 0 < h <= 7168 and h % 32 == 0, 256)}
@@ -65,7 +67,8 @@ def chip_generation(device_name: str) -> str:
 def mc2_window_bytes(generation: str, local_experts: int, tokens: int, ep: int, hidden: int,
                      top_k: int) -> int:
     """The HCCL buffer MC2 needs for ``tokens`` a rank: the API reference's formula (A3
-    fullmesh_v1 with one shared expert slot, upstream's default; A2 fullmesh)."""
+    fullmesh_v1 with one shared expert slot, upstream's default; A2 fullmesh). (The simulator's
+    copy: sim/mc2.py window_bytes.)"""
     def align(x, to):
         return -(-x // to) * to
 
@@ -82,6 +85,7 @@ def mc2_capacity(setup: MoECommSetup) -> int:
     return min(setup.largest_batch, limit)
 
 
+@functools.lru_cache(maxsize=None)  # fixed per layer setup; asked at every eager MoE step
 def _mc2_blocker(s: MoECommSetup, capacity: int) -> str | None:
     """Why vllm-ascend cannot run MC2 where upstream does, with the fix; None if it can."""
     ep_ok, hidden_ok, _ = MC2_LIMITS[s.generation]

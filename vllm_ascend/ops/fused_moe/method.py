@@ -90,11 +90,17 @@ def comm_setup(moe, vllm_config) -> MoECommSetup:
                     for op in ("dispatch", "combine")))
 
 
+def first_moe_layer(model: torch.nn.Module):
+    """The model's first MoE layer (its experts placed: process_weights_after_loading), or
+    None."""
+    return next((m for m in model.modules() if hasattr(m, "ascend_expert_range")), None)
+
+
 def step_comm(model: torch.nn.Module, num_tokens: int) -> str | None:
     """The communication of the MoE layers in a step of ``num_tokens`` (the size the DP ranks
     agreed on), as apply_monolithic chooses it, also for the graph a replay runs; None for a
     dense model."""
-    layer = next((m for m in model.modules() if hasattr(m, "ascend_expert_range")), None)
+    layer = first_moe_layer(model)
     if layer is None:
         return None
     parallel = layer.quant_method.moe.moe_parallel_config
@@ -105,7 +111,7 @@ def step_comm(model: torch.nn.Module, num_tokens: int) -> str | None:
 def log_layout(model: torch.nn.Module) -> None:
     """One line per worker (after its model loaded): where this rank's experts are and how
     tokens reach them; nothing for a dense model."""
-    layer = next((m for m in model.modules() if hasattr(m, "ascend_expert_range")), None)
+    layer = first_moe_layer(model)
     if layer is None:
         return
     moe = layer.quant_method.moe
