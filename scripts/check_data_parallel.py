@@ -9,8 +9,10 @@ FULL_AND_PIECEWISE in test_serve.py and test_defaults.py.
     python scripts/check_data_parallel.py --mode FULL_DECODE_ONLY --tensor-parallel-size 2
     VLLM_ASCEND_SIM_SOC=Ascend910_9382 python scripts/check_data_parallel.py \
         --family qwen3_moe_h1024 --mode FULL_DECODE_ONLY
+    VLLM_ASCEND_SIM_SOC=Ascend910_9382 python scripts/check_data_parallel.py \
+        --family qwen3_moe_h1024 --mode FULL_AND_PIECEWISE --tensor-parallel-size 2
 
-The last runs MC2 (an A3 chip simulated, a hidden size MC2 takes): the script prints the MoE
+The last two run MC2 (an A3 chip simulated, a hidden size MC2 takes): the script prints the MoE
 communication of DP engine 0's steps.
 """
 

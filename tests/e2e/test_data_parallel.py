@@ -29,10 +29,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 TOKENS = 16  # the script's
 
 
-def check_data_parallel(*args, env=None):
+def check_data_parallel(*args, mode="FULL_DECODE_ONLY", env=None):
     return subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "check_data_parallel.py"),
-                           "--mode", "FULL_DECODE_ONLY", *args], capture_output=True, text=True,
-                          timeout=560, env=env)  # (a later --mode wins)
+                           "--mode", mode, *args], capture_output=True, text=True, timeout=560,
+                          env=env)
 
 
 def test_moe_served_with_dp2_and_ep_in_full_decode_only_answers_as_hf_with_full_replays():
@@ -56,7 +56,7 @@ def test_moe_served_with_dp2_and_ep_in_full_decode_only_answers_as_hf_with_full_
 def test_mc2_on_a_simulated_a3_served_with_dp2_and_ep(tmp_path, tp, mode):
     log = tmp_path / "calls.jsonl"
     run = check_data_parallel("--family", "qwen3_moe_h1024", "--tensor-parallel-size", tp,
-                              "--mode", mode, env={
+                              mode=mode, env={
         **os.environ, "VLLM_ASCEND_SIM_SOC": "Ascend910_9382",
         "VLLM_ASCEND_SIM_CALL_LOG": str(log)})
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-4000:]

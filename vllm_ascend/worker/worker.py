@@ -22,7 +22,7 @@ from vllm_ascend import device, patch, plan
 from vllm_ascend.device import torch_npu
 from vllm_ascend.device_allocator import sleep
 from vllm_ascend.device_allocator.vmm import NPUMemAllocator
-from vllm_ascend.ops.fused_moe.method import step_comm
+from vllm_ascend.ops.fused_moe.method import first_moe_layer, step_comm
 from vllm_ascend.worker import choice
 from vllm_ascend.worker.model_runner import NPUModelRunner
 from vllm_ascend.worker.summary import summary as engine_summary
@@ -285,10 +285,10 @@ class NPUWorker(Worker):
         the size the DP ranks agreed on). For ``collective_rpc("recent_steps")``; ``clear``
         starts a new record."""
         steps = self.model_runner.graph_state.recent_steps
-        model = self.model_runner.get_model()
+        moe = first_moe_layer(self.model_runner.get_model())
         record = [{"mode": s.mode.name, "num_tokens": s.num_tokens, "num_reqs": s.num_reqs,
                    "num_tokens_padded": s.num_tokens_padded,
-                   "moe_comm": step_comm(model, s.num_tokens_padded)} for s in steps]
+                   "moe_comm": step_comm(moe, s.num_tokens_padded)} for s in steps]
         if clear:
             steps.clear()
         return record

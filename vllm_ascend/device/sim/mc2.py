@@ -59,7 +59,8 @@ def window_bytes(generation: str, local_experts: int, max_bs: int, ep: int, hidd
 def _check_common(op, x_shape, expert_ids, group_ep, ep_world_size, ep_rank_id, moe_expert_num,
                   x_active_mask, tp_world_size, expert_shard_type, shared_expert_rank_num,
                   global_bs, comm_alg, special_experts, elastic_info):
-    """The checks dispatch and combine share; returns (chip generation, group, local experts)."""
+    """The checks dispatch and combine share; returns (chip generation, group, local experts,
+    the largest BS of the ranks)."""
     def error(code, message):
         return AscendOpError(op, f"aclnn op of {op}", code, message)
 

@@ -96,11 +96,10 @@ def first_moe_layer(model: torch.nn.Module):
     return next((m for m in model.modules() if hasattr(m, "ascend_expert_range")), None)
 
 
-def step_comm(model: torch.nn.Module, num_tokens: int) -> str | None:
+def step_comm(layer, num_tokens: int) -> str | None:
     """The communication of the MoE layers in a step of ``num_tokens`` (the size the DP ranks
-    agreed on), as apply_monolithic chooses it, also for the graph a replay runs; None for a
-    dense model."""
-    layer = first_moe_layer(model)
+    agreed on), as apply_monolithic chooses it, also for the graph a replay runs; ``layer``
+    the model's first MoE layer (first_moe_layer), None for a dense model."""
     if layer is None:
         return None
     parallel = layer.quant_method.moe.moe_parallel_config
