@@ -5,7 +5,8 @@
 
 Each line of the results is an engine a passing test ran (tests/e2e/cells.py): the test, and
 what the engine ran (NPUWorker.summary). A row is an architecture with a quantization, a
-parallel layout and a speculative method; a column is the graph mode in effect; a cell names
+parallel layout, a speculative method and vLLM's model runner (V1 unless the results say); a
+column is the graph mode in effect; a cell names
 the test modules whose passing tests ran it. `bash scripts/run_tests.sh` (the full tier) writes
 the results and runs the check, so the table claims nothing the run did not prove and leaves
 out nothing it did.
@@ -30,14 +31,14 @@ def table(lines: list[str]) -> str:
         if line.strip():
             run = json.loads(line)
             row = (run["architecture"], run["quantization"], run["layout"],
-                   run["speculative"] or "")
+                   run["speculative"] or "", run.get("model_runner", "V1"))
             module = run["test"].split("::")[0].rsplit("/", 1)[-1]
             cells[row, run["graph_mode"]].add(module.removeprefix("test_").removesuffix(".py"))
     rows = sorted({row for row, _ in cells})
-    out = ["| architecture | quantization | layout | speculative | " + " | ".join(MODES) + " |",
-           "|---" * (4 + len(MODES)) + "|"]
+    out = ["| architecture | quantization | layout | speculative | runner | " + " | ".join(MODES)
+           + " |", "|---" * (5 + len(MODES)) + "|"]
     for row in rows:
-        out.append("| " + " | ".join(row[:3] + (row[3] or "—",)) + " | " + " | ".join(
+        out.append("| " + " | ".join(row[:3] + (row[3] or "—", row[4])) + " | " + " | ".join(
             ", ".join(sorted(cells[row, mode])) or "—" for mode in MODES) + " |")
     return "\n".join(out)
 

@@ -120,7 +120,7 @@ class NPUPlatform(Platform):
 
         overrides = {
             "vllm.v1.worker.block_table.ComputeSlotMappingKernel.kernel": compute_slot_mapping,
-            **spec_kernels.kernel_overrides()}
+            **spec_kernels.kernel_overrides(), **device.current.v2_runner_kernels()}
         # Once per process (vLLM calls this for every engine; the overrides stay).
         if all(name in _registry for name in overrides):
             return
@@ -145,6 +145,12 @@ class NPUPlatform(Platform):
         # their caches by name from the forward context, and the runner's index-ordered list is
         # only cleared at shutdown.
         pass
+
+    @staticmethod
+    def current_stream(device=None):
+        # vLLM's current_stream() asks the platform, which resolves unknown names on the torch
+        # device module: on the simulator that is torch.cpu, whose streams are not the device's.
+        return torch_npu.npu.current_stream(device)
 
     @classmethod
     def get_compile_backend(cls) -> str:
@@ -217,9 +223,6 @@ class NPUPlatform(Platform):
             cls._select_quantization(vllm_config)
         if model_config is not None and model_config.enable_sleep_mode:
             cls._select_sleep_mode_backend(model_config)
-        from vllm_ascend.worker import choice
-
-        logger.info("vllm-ascend: model runner %s", choice.describe(vllm_config))
         parallel_config = vllm_config.parallel_config
         # The engine core cleans up the device at shutdown even when its workers are other
         # processes (tensor parallelism): it needs the device's process set-up too.
@@ -271,6 +274,9 @@ class NPUPlatform(Platform):
         compilation_config.cudagraph_num_of_warmups = max(
             1, compilation_config.cudagraph_num_of_warmups)
         cls._apply_graph_mode(vllm_config)
+        from vllm_ascend.worker import choice
+
+        logger.info("vllm-ascend: model runner %s", choice.describe(vllm_config))  # (the mode set)
         if compilation_config.mode == CompilationMode.VLLM_COMPILE:
             # The Ascend MLA layer's attention op splits PIECEWISE graphs like vLLM's attention
             # ops. vLLM fills splitting_ops only after this hook: fill them now, as upstream

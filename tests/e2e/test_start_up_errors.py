@@ -4,7 +4,7 @@ test_parallel.py)."""
 
 import pytest
 
-from tests.e2e.conftest import engine, model_path
+from tests.e2e.conftest import engine, model_path, platform_log
 
 
 def test_no_memory_left_for_the_kv_cache_names_the_settings_that_fix_it():
@@ -55,11 +55,10 @@ def test_a_shape_the_operators_refuse_fails_at_once_before_weights_load(family, 
     assert fix in str(failure.value)
 
 
-def test_the_model_runner_is_v1_whether_or_not_triton_imports(monkeypatch, caplog):
+def test_the_model_runner_is_v1_whether_or_not_triton_imports(monkeypatch):
     """vLLM 0.32 picks Model Runner V2 where Triton imports (a chip with triton-ascend); the
-    plugin names V1, the runner its worker builds, and says so; V2 asked for is refused."""
-    import logging
-
+    plugin names V1, its default, and says so; V2 asked for with a feature it does not run yet
+    is refused (the rest of V2: test_model_runner_v2.py)."""
     import vllm.config.vllm as vllm_config_module
     from vllm.engine.arg_utils import EngineArgs
 
@@ -68,14 +67,16 @@ def test_the_model_runner_is_v1_whether_or_not_triton_imports(monkeypatch, caplo
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
     vllm_ascend.register()  # the platform plugin's load, as in every vLLM process
     args = EngineArgs(model=model_path("llama"), max_model_len=512)
-    with caplog.at_level(logging.INFO, logger="vllm_ascend"):
+    with platform_log() as lines:
         config = args.create_engine_config()
     assert config.use_v2_model_runner is False
-    assert "vllm-ascend: model runner V1 (NPUModelRunner; VLLM_USE_V2_MODEL_RUNNER=0)" in \
-        caplog.text
+    assert "vllm-ascend: model runner V1 (NPUModelRunner; VLLM_USE_V2_MODEL_RUNNER=0): the " \
+        "default" in lines, lines
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER")
     assert config.use_v2_model_runner  # what vLLM alone would build here
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    args = EngineArgs(model=model_path("llama"), max_model_len=512, enable_lora=True)
     with pytest.raises(ValueError, match="Model Runner V2 was asked for \\(VLLM_USE_V2_MODEL_"
-                                         "RUNNER=1\\), but vllm-ascend runs vLLM's V1"):
+                                         "RUNNER=1\\), but vllm-ascend's V2 runner does not "
+                                         "support LoRA yet"):
         args.create_engine_config()

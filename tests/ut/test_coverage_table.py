@@ -11,9 +11,11 @@ from tests.conftest import ROOT
 from vllm_ascend.worker import summary
 
 
-def run(test: str, mode: str, arch="LlamaForCausalLM", quant="none", layout="TP=1", spec=None):
-    return json.dumps({"test": test, "architecture": arch, "quantization": quant,
-                       "layout": layout, "speculative": spec, "graph_mode": mode})
+def run(test: str, mode: str, arch="LlamaForCausalLM", quant="none", layout="TP=1", spec=None,
+        runner=None):
+    cell = {"test": test, "architecture": arch, "quantization": quant, "layout": layout,
+            "speculative": spec, "graph_mode": mode}
+    return json.dumps(cell if runner is None else {**cell, "model_runner": runner})
 
 
 def test_a_cell_names_the_modules_whose_passing_tests_ran_it():
@@ -21,11 +23,14 @@ def test_a_cell_names_the_modules_whose_passing_tests_ran_it():
         run("tests/e2e/test_graph_modes.py::test_a[x]", "FULL"),
         run("tests/e2e/test_families.py::test_b", "FULL"),
         run("tests/e2e/test_families.py::test_c", "FULL"),
-        run("tests/e2e/test_parallel.py::test_d", "NONE", layout="TP=2", spec="eagle")])
+        run("tests/e2e/test_parallel.py::test_d", "NONE", layout="TP=2", spec="eagle"),
+        run("tests/e2e/test_model_runner_v2.py::test_e", "FULL", runner="V2"),
+        run("tests/e2e/test_families.py::test_f", "FULL", runner="V1")])
     rows = made.splitlines()[2:]
-    assert rows == [
-        "| LlamaForCausalLM | none | TP=1 | — | — | — | families, graph_modes | — | — |",
-        "| LlamaForCausalLM | none | TP=2 | eagle | parallel | — | — | — | — |"]
+    assert rows == [  # (results without a runner are V1's)
+        "| LlamaForCausalLM | none | TP=1 | — | V1 | — | — | families, graph_modes | — | — |",
+        "| LlamaForCausalLM | none | TP=1 | — | V2 | — | — | model_runner_v2 | — | — |",
+        "| LlamaForCausalLM | none | TP=2 | eagle | V1 | parallel | — | — | — | — |"]
 
 
 def test_the_check_fails_unless_the_docs_show_exactly_what_the_run_proved(tmp_path):
@@ -47,7 +52,7 @@ def test_the_check_fails_unless_the_docs_show_exactly_what_the_run_proved(tmp_pa
     results.write_text(first + "\n")
     check = script("--check")
     assert check.returncode == 1
-    assert "in the docs, not proved: | Qwen3MoeForCausalLM | none | TP=1 | — | moe |" in \
+    assert "in the docs, not proved: | Qwen3MoeForCausalLM | none | TP=1 | — | V1 | moe |" in \
         check.stderr
     results.write_text(first + "\n" + second + "\n" + run("tests/e2e/test_moe.py::c", "FULL"))
     check = script("--check")

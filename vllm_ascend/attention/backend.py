@@ -76,6 +76,9 @@ class AscendAttentionMetadataBuilder(AttentionMetadataBuilder[AscendMetadata]):
         # row for (persistent: FULL graphs read it at its captured address).
         self.block_table = torch.zeros(vllm_config.scheduler_config.max_num_seqs + 1,
                                        max_blocks, dtype=torch.int32, device=device_)
+        # The metadata built last: Model Runner V2 replays a FULL graph outside any forward
+        # context, and its task updates re-issue FIA with this (worker/v2/graphs.py).
+        self.latest: AscendMetadata | None = None
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> AscendMetadata:
@@ -89,13 +92,14 @@ class AscendAttentionMetadataBuilder(AttentionMetadataBuilder[AscendMetadata]):
         block_table = self.block_table[:n]
         block_table[:rows].copy_(cam.block_table_tensor[:rows])
         block_table[rows:].zero_()  # the dummy of a full batch reads the null block
-        return AscendMetadata(
+        self.latest = AscendMetadata(
             num_actual_tokens=cam.num_actual_tokens,
             actual_seq_lengths_q=cu_q,
             seq_lens_list=kv_lens,
             block_table=block_table,
             atten_mask=self.atten_mask,
         )
+        return self.latest
 
     def build_for_drafting(self, common_attn_metadata: CommonAttentionMetadata,
                            draft_index: int) -> AscendMetadata:

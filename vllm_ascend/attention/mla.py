@@ -162,10 +162,11 @@ class AscendMLAMetadataBuilder(AscendAttentionMetadataBuilder):
                 new_slots=self._slots(tables, context, np.diff(q_cu)),
                 chunks=self._context_chunks(tables, q_cu, context),
                 atten_mask=self.atten_mask)
-        return AscendMLAMetadata(
+        self.latest = AscendMLAMetadata(
             num_actual_tokens=cam.num_actual_tokens, num_decodes=num_decodes,
             num_decode_tokens=num_decode_tokens, num_prefills=num_prefills, decode=decode,
             prefill=prefill)
+        return self.latest
 
     def _slots(self, tables: torch.Tensor, starts: np.ndarray, lens: np.ndarray):
         """The int64 cache slots of positions starts[i] .. starts[i] + lens[i] - 1 of each

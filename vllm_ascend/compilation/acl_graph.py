@@ -137,7 +137,7 @@ def capture_advice(error: Exception, runtime_mode: CUDAGraphMode) -> str:
 
 
 @contextmanager
-def _without_dp_sizes(ctx):
+def without_dp_sizes(ctx):
     """Hide the step's per-rank token counts while a graph is captured: a graph step runs the
     same padded token count on every data-parallel rank (vLLM pads them alike whenever the
     synced mode has graphs), so an MoE layer needs none; and host values read during capture
@@ -212,7 +212,7 @@ class ACLGraphWrapper:
         with ExitStack() as stack:
             if self.gc_disable:  # one gc per forward is enough while capturing many pieces
                 stack.enter_context(patch("gc.collect", lambda *a, **k: None))
-            stack.enter_context(_without_dp_sizes(get_forward_context()))
+            stack.enter_context(without_dp_sizes(get_forward_context()))
             try:
                 self.hooks.capture_begin(desc)
                 with torch_npu.npu.graph(graph, pool=self.state.pool):

@@ -139,6 +139,11 @@ class Backend:
         HCCL_BUFFSIZE MB (CANN's default 200)."""
         return int(os.environ.get("HCCL_BUFFSIZE", "200")) << 20
 
+    def v2_runner_kernels(self) -> dict:
+        """Implementations of the Triton kernels vLLM's Model Runner V2 launches, by kernel name
+        (for vLLM's kernel dispatcher). None on a chip: triton-ascend runs vLLM's own."""
+        return {}
+
     def fork_unsafe_reason(self) -> str | None:
         """Why a child process of this one must be spawned rather than forked, or None."""
         # As vLLM does for CUDA: a forked child cannot use a device its parent initialised.
@@ -216,6 +221,11 @@ class SimBackend(Backend):
 
     def streams_in_use(self) -> int | None:
         return self.torch_npu.npu.streams_in_use()
+
+    def v2_runner_kernels(self) -> dict:
+        from vllm_ascend.device.sim import v2_kernels
+
+        return v2_kernels.KERNELS  # no Triton here: torch implementations of the same contracts
 
     def fork_unsafe_reason(self) -> str | None:
         # The simulator computes with torch's OpenMP pool; once any torch op ran in this process

@@ -12,7 +12,6 @@ from vllm.config import CUDAGraphMode, set_current_vllm_config
 from vllm.distributed import get_pp_group, get_tp_group
 from vllm.forward_context import get_forward_context
 from vllm.utils.platform_utils import is_pin_memory_available
-from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.utils import bind_kv_cache
 from vllm.v1.worker.workspace import lock_workspace
@@ -26,6 +25,7 @@ from vllm_ascend.ops import mla  # noqa: F401  (registers the Ascend MLA layer)
 from vllm_ascend.ops.fused_moe import method as fused_moe  # (registers the MoE CustomOp)
 from vllm_ascend.ops.qkv import StepRope
 from vllm_ascend.ops.rotary_embedding import share_step_ropes
+from vllm_ascend.worker.kv_cache import npu_kv_cache_views
 from vllm_ascend.worker.padding import StepPadding, decide_padding
 
 logger = get_logger(__name__)
@@ -41,6 +41,30 @@ def point_torch_cuda_at_npu() -> None:
     for name in ("Event", "Stream", "default_stream", "current_stream", "stream",
                  "synchronize", "mem_get_info", "is_current_stream_capturing"):
         setattr(torch.cuda, name, getattr(npu, name))
+
+
+def rank_label() -> str:
+    """Which rank a summary is for, when the model is split across ranks."""
+    groups = (("TP", get_tp_group()), ("PP", get_pp_group()))
+    parts = [f"{name} rank {g.rank_in_group} of {g.world_size}" for name, g in groups
+             if g.world_size > 1]
+    return f" on {', '.join(parts)}" if parts else ""
+
+
+def log_capture(state: GraphState, mode: CUDAGraphMode, sizes: dict[str, list[int]],
+                elapsed: float, used: int) -> None:
+    """The capture's log line: graphs per mode and size, time, memory and streams used."""
+    backend = device.current
+    graphs = sum(state.captured.values())
+    drafter = sum(state.drafter_captured.values())
+    streams = backend.streams_in_use()
+    logger.info(
+        "vllm-ascend: graph mode %s%s: captured %d graphs%s (%s) in %.1f s, %.2f GiB; streams "
+        "used %s of %d", mode.name, rank_label(), graphs,
+        f", {drafter} of them the speculative drafter's" if drafter else "",
+        "; ".join(f"{m} sizes {sorted(set(v))}" for m, v in sizes.items()), elapsed,
+        used / (1 << 30), streams if streams is not None else f"{graphs} (one per graph)",
+        backend.stream_budget())
 
 
 class FIAGraphHooks(GraphHooks):
@@ -136,11 +160,7 @@ class NPUModelRunner(GPUModelRunner):
 
     def initialize_kv_cache_tensors(self, kv_cache_config, kernel_block_sizes,
                                     kv_cache_allocation_context=None) -> dict[str, torch.Tensor]:
-        """Upstream views each layer's pages as interleaved K|V per head; FIA reads K and V as
-        separate contiguous caches. Each layer gets one [2, num_blocks, block_size, kv_heads,
-        head_size] view of its region of the one backing allocation: K and V are its halves.
-        An MLA layer gets [num_blocks, block_size, head_size], which its backend reads as
-        separate latent and rope caches (attention/mla.py)."""
+        """One backing allocation, viewed per layer as FIA and MLA read it (worker/kv_cache.py)."""
         if not kv_cache_config.kv_cache_tensors:
             return {}
         sizes = {t.size for t in kv_cache_config.kv_cache_tensors}
@@ -148,26 +168,7 @@ class NPUModelRunner(GPUModelRunner):
         context = kv_cache_allocation_context or contextlib.nullcontext()
         with context:
             raw = torch.zeros(sizes.pop(), dtype=torch.int8, device=self.device)
-        specs = {name: group.kv_cache_spec for group in kv_cache_config.kv_cache_groups
-                 for name in group.layer_names}
-        kv_caches = {}
-        for tensor in kv_cache_config.kv_cache_tensors:
-            num_blocks = kv_cache_config.num_blocks_of(tensor)
-            for i, name in enumerate(tensor.layers):
-                spec = specs[name]
-                if not isinstance(spec, AttentionSpec):
-                    raise NotImplementedError(f"KV cache of {type(spec).__name__} layers is not "
-                                              "supported by vllm-ascend")
-                if isinstance(spec, MLAAttentionSpec):
-                    shape = (num_blocks, spec.block_size, spec.head_size)
-                else:
-                    shape = (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
-                nbytes = spec.dtype.itemsize * int(np.prod(shape))
-                if tensor.layer_stride < nbytes:
-                    raise ValueError(f"the KV cache layout does not give layer {name} a region "
-                                     f"of its own ({tensor.layer_stride} < {nbytes} bytes)")
-                start = tensor.offset + i * tensor.layer_stride
-                kv_caches[name] = raw[start:start + nbytes].view(spec.dtype).view(shape)
+        kv_caches = npu_kv_cache_views(raw, kv_cache_config)
         for name, target in self.shared_kv_cache_layers.items():
             kv_caches[name] = kv_caches[target]
         bind_kv_cache(kv_caches, self.compilation_config.static_forward_context, self.kv_caches,
@@ -196,16 +197,7 @@ class NPUModelRunner(GPUModelRunner):
         lock_workspace()
         elapsed = time.perf_counter() - start
         used = max(backend.memory_in_use() - mem_before, 0)
-        graphs = sum(self.graph_state.captured.values())
-        drafter = sum(self.graph_state.drafter_captured.values())
-        streams = backend.streams_in_use()
-        logger.info(
-            "vllm-ascend: graph mode %s%s: captured %d graphs%s (%s) in %.1f s, %.2f GiB; streams "
-            "used %s of %d", mode.name, self._rank_label(), graphs,
-            f", {drafter} of them the speculative drafter's" if drafter else "",
-            "; ".join(f"{m} sizes {sorted(set(v))}" for m, v in sizes.items()), elapsed,
-            used / (1 << 30), streams if streams is not None else f"{graphs} (one per graph)",
-            backend.stream_budget())
+        log_capture(self.graph_state, mode, sizes, elapsed, used)
         return used
 
     def profile_run(self, randomize_inputs: bool = False) -> None:
@@ -255,13 +247,6 @@ class NPUModelRunner(GPUModelRunner):
                     ", ".join(f"{m} {b / GiB:.3f} GiB" for m, b in first.items()),
                     further / GiB)
         return estimate
-
-    def _rank_label(self) -> str:
-        """Which rank this summary is for, when the model is split across ranks."""
-        groups = (("TP", get_tp_group()), ("PP", get_pp_group()))
-        parts = [f"{name} rank {g.rank_in_group} of {g.world_size}" for name, g in groups
-                 if g.world_size > 1]
-        return f" on {', '.join(parts)}" if parts else ""
 
     def _determine_batch_execution_and_padding(self, num_tokens, num_reqs,
                                                num_scheduled_tokens_np,

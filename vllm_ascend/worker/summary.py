@@ -1,6 +1,6 @@
 """What an engine runs, in the terms of docs/supported_models.md: the model's architecture, its
-quantization, its parallel layout and speculative method, and the graph mode in effect
-(``collective_rpc("summary")``, NPUWorker.summary)."""
+quantization, its parallel layout and speculative method, the graph mode in effect and vLLM's
+model runner (``collective_rpc("summary")``, NPUWorker.summary)."""
 
 
 def quantization(vllm_config) -> str:
@@ -33,4 +33,5 @@ def summary(vllm_config) -> dict:
             "quantization": quantization(vllm_config),
             "layout": layout(vllm_config.parallel_config),
             "speculative": spec.method if spec else None,
-            "graph_mode": vllm_config.compilation_config.cudagraph_mode.name}
+            "graph_mode": vllm_config.compilation_config.cudagraph_mode.name,
+            "model_runner": "V2" if vllm_config.use_v2_model_runner else "V1"}

@@ -26,6 +26,7 @@ from vllm_ascend.ops.fused_moe.method import first_moe_layer, step_comm
 from vllm_ascend.worker import choice
 from vllm_ascend.worker.model_runner import NPUModelRunner
 from vllm_ascend.worker.summary import summary as engine_summary
+from vllm_ascend.worker.v2.model_runner import NPUModelRunnerV2
 
 logger = get_logger(__name__)
 GiB = float(1 << 30)
@@ -132,9 +133,11 @@ class NPUWorker(Worker):
                 if handle is not None:
                     handle.remove()
 
-    def _make_model_runner(self) -> NPUModelRunner:
-        # Upstream builds V2 when the config names it; the plugin has V1 only (worker/choice.py).
+    def _make_model_runner(self) -> NPUModelRunner | NPUModelRunnerV2:
+        # Upstream builds vLLM's runners; the plugin's are theirs on Ascend (worker/choice.py).
         logger.info("vllm-ascend: model runner %s", choice.describe(self.vllm_config))
+        if self.use_v2_model_runner:
+            return NPUModelRunnerV2(self.vllm_config, self.device)
         return NPUModelRunner(self.vllm_config, self.device)
 
     def _maybe_get_memory_pool_context(self, tag: str):

@@ -3,7 +3,8 @@
 While a ``Ledger`` is entered (``with Ledger() as ledger:``), the simulator counts:
 
 * ``kernel launches``: device ops launched one at a time, i.e. dispatched outside a graph replay.
-  Views and allocations launch nothing. A collective counts as one launch. An op implemented in
+  Views and allocations launch nothing. A collective counts as one launch, and so does a
+  simulated Triton kernel (``one_kernel``), whatever host ops implement it. An op implemented in
   Python (vLLM's attention custom op) is not itself counted; the device ops it issues are.
 * ``graph replays``: ``NPUGraph.replay()`` calls, one launch each however many nodes they hold.
 * ``task updates``: FIA re-issues through ``graph_task_update_begin/end``.
@@ -70,6 +71,19 @@ class replaying:
         _replaying.depth -= 1
 
 
+class one_kernel:
+    """Around a simulated kernel (sim/v2_kernels.py: one Triton kernel on a chip): one launch;
+    the ops and host reads that implement it on the host are neither launches nor syncs."""
+
+    def __enter__(self):
+        if getattr(_replaying, "depth", 0) == 0 and not getattr(_replaying, "kernel", 0):
+            note(LAUNCHES)
+        _replaying.kernel = getattr(_replaying, "kernel", 0) + 1
+
+    def __exit__(self, *exc):
+        _replaying.kernel -= 1
+
+
 class Ledger:
     """``with Ledger() as ledger:`` ... ``ledger.counts``: the rows above, counted meanwhile."""
 
@@ -105,7 +119,9 @@ class _Counting(TorchDispatchMode):
             # Implemented in Python: count the device ops it issues, not the call.
             with self:
                 return func._op_dk(torch._C.DispatchKey.CPU, *args, **kwargs)
-        if getattr(_replaying, "depth", 0) == 0:
+        if getattr(_replaying, "kernel", 0):
+            pass  # the host's implementation of a simulated kernel, counted once
+        elif getattr(_replaying, "depth", 0) == 0:
             if func in HOST_SYNCS:
                 note(SYNCS)
             elif func is torch.ops.aten.copy_.default and kwargs.get(

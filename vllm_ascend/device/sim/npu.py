@@ -148,6 +148,14 @@ def stream(s: "Stream | None"):
             s.flush()
 
 
+def set_stream(s: Stream) -> None:
+    """The current stream becomes ``s`` (in place of the current one, as torch.npu.set_stream
+    does); a stream set aside runs its queued work, as at a ``stream`` context's exit."""
+    replaced, _STREAMS.stack[-1] = _STREAMS.stack[-1], s
+    if replaced not in _STREAMS.stack:
+        replaced.flush()
+
+
 def synchronize(device=None) -> None:
     _ledger.note(_ledger.SYNCS)
     _check_no_waiting_replay("synchronize")

@@ -1,0 +1,34 @@
+"""The KV cache as FIA and MLA read it, viewed over the backing allocation vLLM sizes."""
+
+import numpy as np
+import torch
+from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec
+
+
+def npu_kv_cache_views(raw: torch.Tensor, kv_cache_config) -> dict[str, torch.Tensor]:
+    """vLLM views each layer's pages as interleaved K|V per head; FIA reads K and V as separate
+    contiguous caches. Each layer gets one [2, num_blocks, block_size, kv_heads, head_size] view
+    of its region of ``raw`` (the one int8 backing allocation): K and V are its halves. An MLA
+    layer gets [num_blocks, block_size, head_size], which its backend reads as separate latent
+    and rope caches (attention/mla.py)."""
+    specs = {name: group.kv_cache_spec for group in kv_cache_config.kv_cache_groups
+             for name in group.layer_names}
+    kv_caches = {}
+    for tensor in kv_cache_config.kv_cache_tensors:
+        num_blocks = kv_cache_config.num_blocks_of(tensor)
+        for i, name in enumerate(tensor.layers):
+            spec = specs[name]
+            if not isinstance(spec, AttentionSpec):
+                raise NotImplementedError(f"KV cache of {type(spec).__name__} layers is not "
+                                          "supported by vllm-ascend")
+            if isinstance(spec, MLAAttentionSpec):
+                shape = (num_blocks, spec.block_size, spec.head_size)
+            else:
+                shape = (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
+            nbytes = spec.dtype.itemsize * int(np.prod(shape))
+            if tensor.layer_stride < nbytes:
+                raise ValueError(f"the KV cache layout does not give layer {name} a region "
+                                 f"of its own ({tensor.layer_stride} < {nbytes} bytes)")
+            start = tensor.offset + i * tensor.layer_stride
+            kv_caches[name] = raw[start:start + nbytes].view(spec.dtype).view(shape)
+    return kv_caches

@@ -1,0 +1,153 @@
+"""NPUModelGraphManager: Model Runner V2's FULL-graph owner on Ascend.
+
+V2 captures and replays FULL graphs in one place (vLLM's ModelCudaGraphManager: capture per
+batch descriptor into ``torch.cuda.CUDAGraph``, dispatch, ``run_fullgraph``), while PIECEWISE
+stays on the compile backend's wrappers (compilation/acl_graph.py), as in V1. On Ascend a FULL
+graph is an ACL graph whose FIA calls re-issue the step's host lists before each replay's
+attention runs (attention/graph_params.py), so this manager:
+
+* captures into ``torch.npu.NPUGraph`` in the engine's graph pool, each capture opening a FIA
+  task-group record keyed by its graph (the attention layers add their calls to it), and counts
+  the graph in the engine's GraphState (streams, the start-up summary);
+* replays FullGraphs, which issue the step's task updates (from the attention metadata the
+  step built) right after each replay is launched, and count it.
+"""
+
+import contextlib
+from unittest import mock
+
+import torch
+from vllm.config import CUDAGraphMode
+from vllm.distributed.parallel_state import GraphCaptureContext
+from vllm.forward_context import get_forward_context
+from vllm.v1.worker.gpu import cudagraph_utils
+from vllm.v1.worker.gpu.cudagraph_utils import ModelCudaGraphManager
+
+from vllm_ascend.compilation.acl_graph import (STREAM_EXHAUSTED, GraphCaptureFailed, GraphState,
+                                               without_dp_sizes, capture_advice)
+from vllm_ascend.device import torch_npu
+
+FULL = CUDAGraphMode.FULL.name
+
+
+@contextlib.contextmanager
+def _capture_stream(device=None):
+    """parallel_state.graph_capture's part on Ascend: a side stream, after the current one's
+    work, to capture on (the communicators need nothing: collectives are captured as ops)."""
+    stream = torch_npu.npu.Stream()
+    stream.wait_stream(torch_npu.npu.current_stream())
+    with torch_npu.npu.stream(stream):
+        yield GraphCaptureContext(stream)
+
+
+class FullGraph(torch_npu.npu.NPUGraph):
+    """An ACL graph whose replay issues the step's task updates right after it is launched,
+    before vLLM reads its outputs (the replay's attention waits for them)."""
+
+    def __init__(self, after_replay, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.after_replay = after_replay
+
+    def replay(self) -> None:
+        super().replay()
+        self.after_replay(self)
+
+
+class _StartsCapture(torch.nn.Module):
+    """The model as vLLM's capture loop calls it: a pending FULL capture starts at the call."""
+
+    def __init__(self, model: torch.nn.Module, manager: "NPUModelGraphManager"):
+        super().__init__()
+        self.model = model
+        self.start_pending = manager.start_pending
+
+    def forward(self, *args, **kwargs):
+        self.start_pending()
+        return self.model(*args, **kwargs)
+
+
+class NPUModelGraphManager(ModelCudaGraphManager):
+    def __init__(self, *args, state: GraphState, step_metadata, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._pending = None  # (its exit stack, torch.npu.graph) of a capture not yet begun
+        self.state = state
+        state.wrappers.add(self)  # its graphs go with the engine's (GraphState.clear)
+        self.pool = state.pool  # FULL and PIECEWISE graphs share one pool, as in V1
+        self.step_metadata = step_metadata  # () -> the metadata this step's attention built
+
+    @classmethod
+    def replacing(cls, manager: ModelCudaGraphManager, **kwargs) -> "NPUModelGraphManager":
+        """This manager in place of the one vLLM's runner built (same mode and descriptors)."""
+        return cls(manager.vllm_config, manager.device, manager.cudagraph_mode,
+                   manager.decode_query_len, lora_capture_cases=manager.lora_capture_cases,
+                   varlen_decode=manager.varlen_decode, ubatch_runner=manager.ubatch_runner,
+                   **kwargs)
+
+    def capture(self, model, *args, **kwargs) -> None:
+        # vLLM's capture loop, with its CUDA parts resolved to ACL ones: the graph class, the
+        # capture context, and parallel_state's graph_capture (which asserts a CUDA or XPU
+        # communicator; upstream vllm-ascend swaps the class for its own around capture).
+        with mock.patch.object(torch.cuda, "CUDAGraph", self._new_graph), \
+                mock.patch.object(torch.cuda, "graph", self._acl_graph), \
+                mock.patch.object(cudagraph_utils, "graph_capture", _capture_stream):
+            super().capture(_StartsCapture(model, self), *args, **kwargs)
+
+    def _new_graph(self, *args, **kwargs) -> FullGraph:
+        return FullGraph(self._after_replay, *args, **kwargs)
+
+    def _after_replay(self, graph: FullGraph) -> None:
+        self.state.fia.update(graph, self.step_metadata())
+        self.state.replayed[FULL] += 1
+
+    @contextlib.contextmanager
+    def _acl_graph(self, graph, pool=None, stream=None, **kwargs):
+        """torch.cuda.graph's part: a capture into ``graph`` that starts when the model is
+        called (``start_pending``) and ends here, recording the FIA calls it holds."""
+        self.state.fia.begin_capture(graph)
+        capture = contextlib.ExitStack()
+        self._pending = (capture, torch_npu.npu.graph(
+            graph, pool=self.state.pool if pool is None else pool, stream=stream, **kwargs))
+        try:
+            yield
+        except Exception as e:
+            capture.__exit__(type(e), e, e.__traceback__)
+            if STREAM_EXHAUSTED in str(e):  # the chip's (and simulator's) error code
+                raise GraphCaptureFailed(capture_advice(e, CUDAGraphMode.FULL)) from e
+            raise
+        else:
+            if self._pending is not None:
+                raise RuntimeError("a FULL capture in which the model was not called")
+            capture.close()
+            self.state.captured[FULL] += 1
+        finally:
+            self._pending = None
+            self.state.fia.end_capture()
+
+    def start_pending(self) -> None:
+        """Begin the pending capture, inside the forward context vLLM's loop set: the context's
+        host-side set-up (the DP ranks' sizes, checked against the batch) stays out of the
+        graph, and the sizes are hidden from the layers while it captures, as in V1's wrapper,
+        which captures inside the model call."""
+        if self._pending is None:
+            return
+        (capture, graph), self._pending = self._pending, None
+        capture.enter_context(graph)
+        capture.enter_context(without_dp_sizes(get_forward_context()))
+
+    def run_fullgraph(self, desc):
+        # As V1's ACL wrapper: the host must not run ahead of the previous replay, whose
+        # attention may still wait for its update.
+        torch_npu.npu.current_stream().synchronize()
+        return super().run_fullgraph(desc)
+
+    def clear_graphs(self) -> None:
+        """Free the graphs now, and the streams they hold (GraphState.clear, at the end of the
+        memory profile and at shutdown): a graph's replay hook refers back to this manager."""
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self._graphs_captured = False
+
+    def release_graphs(self) -> None:
+        self.clear_graphs()
+        super().release_graphs()
