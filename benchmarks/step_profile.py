@@ -3,6 +3,8 @@
     bash scripts/run_tests.sh --co -q >/dev/null   # (any README command sets up the venv)
     python benchmarks/step_profile.py --model smollm2 --modes eager PIECEWISE FULL \
         FULL_AND_PIECEWISE --batch 1
+    python benchmarks/step_profile.py --model tiny --modes PIECEWISE FULL_AND_PIECEWISE \
+        --runners v1 v2          # vLLM's Model Runner V2 beside V1 (docs/model_runner_v2.md)
 
 Each mode runs twice. First in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0), with timers around
 the engine's phases (this script wraps vLLM's and the simulator's functions; the product is
@@ -49,6 +51,14 @@ PHASES = [
     ("input preparation", "vllm_ascend.worker.model_runner.NPUModelRunner",
      "_build_attention_metadata"),
     ("forward", "vllm_ascend.worker.model_runner.NPUModelRunner", "_model_forward"),
+    # Model Runner V2's (its eager forward: the model's own forward, wrapped per engine)
+    ("input preparation", "vllm.v1.worker.gpu.model_runner.GPUModelRunner", "prepare_inputs"),
+    ("input preparation", "vllm.v1.worker.gpu.model_runner.GPUModelRunner", "prepare_attn"),
+    ("input preparation", "vllm.v1.worker.gpu.model_states.default.DefaultModelState",
+     "prepare_attn"),
+    ("forward", "vllm.v1.worker.gpu.cudagraph_utils.CudaGraphManager", "run_pw_graph"),
+    ("forward", "vllm_ascend.worker.v2.graphs.NPUModelGraphManager", "run_fullgraph"),
+    ("sampling", "vllm.v1.worker.gpu.model_runner.GPUModelRunner", "sample_tokens"),
     ("  attention (FIA kernels)", "vllm_ascend.device.sim.ops", "fia_kernel"),
     ("  FIA task updates", "vllm_ascend.device.sim.graph.SimGraph", "task_update"),
     ("LM head", None, "compute_logits"),  # on the engine's model instance
@@ -122,6 +132,8 @@ def main():
                         default=["eager", "PIECEWISE", "FULL", "FULL_AND_PIECEWISE"])
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--runners", nargs="+", default=["v1"], choices=["v1", "v2"],
+                        help="vLLM's model runners (VLLM_USE_V2_MODEL_RUNNER), side by side")
     args = parser.parse_args()
 
     from scripts.models import smollm2_dir, tiny_model_dir
@@ -129,7 +141,11 @@ def main():
     path = str(smollm2_dir()) if args.model == "smollm2" else tiny_model_dir("llama")
     install_timers()
     split, ledgers = {}, {}
-    for mode in args.modes:
+    columns = [(mode, runner) for runner in args.runners for mode in args.modes]
+    labels = [mode if len(args.runners) == 1 else f"{mode} {runner.upper()}"
+              for mode, runner in columns]
+    for (mode, runner), label in zip(columns, labels):
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if runner == "v2" else "0"
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
         llm = start(path, mode, args.batch)
         multiprocess = decode_split(llm, args.batch, args.tokens)["wall"]
@@ -138,11 +154,16 @@ def main():
         llm = start(path, mode, args.batch)
         model = llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
         model.compute_logits = timed("LM head", model.compute_logits)
+        if runner == "v2" and mode == "eager":  # V2 calls the model itself when eager
+            model.forward = timed("forward", model.forward)
         t = decode_split(llm, args.batch, args.tokens)
-        ledgers[mode] = chip_cost_per_decode_step(llm, args.batch, args.tokens)
+        if runner == "v2":  # V2 computes the logits inside sample_tokens
+            t["sampling"] = t.get("sampling", 0) - t.get("LM head", 0)
+        ledgers[label] = chip_cost_per_decode_step(llm, args.batch, args.tokens)
         stop(llm)
         t["multiprocess"] = multiprocess
-        split[mode] = t
+        split[label] = t
+    args.modes = labels  # the tables' columns
 
     def row(name, values):
         print(f"| {name} | " + " | ".join(f"{v:.2f}" for v in values) + " |")

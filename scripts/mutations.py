@@ -342,6 +342,30 @@ MUTATIONS = [
              "    fits = tokens <= capacity",
              "    fits = True",
              ("tests/ut/test_moe.py",)),
+    Mutation("v2-fia-update-skipped", "under Model Runner V2 a FULL replay runs attention "
+             "with the capture's lengths", "vllm_ascend/worker/v2/graphs.py",
+             "        self.state.fia.update(graph, self.step_metadata())", "        pass",
+             ("tests/e2e/test_model_runner_v2.py", "-k", "llama and FULL_AND_PIECEWISE")),
+    Mutation("v2-full-step-not-padded", "under Model Runner V2 a FULL step's padding tokens "
+             "belong to no request (FIA's TND check)", "vllm_ascend/worker/v2/model_runner.py",
+             "        if not padding.pads_attention:", "        if True:",
+             ("tests/e2e/test_model_runner_v2.py", "-k", "llama and FULL_AND_PIECEWISE")),
+    Mutation("v2-step-rope-not-filled", "under Model Runner V2 every layer rotates with stale "
+             "positions", "vllm_ascend/worker/v2/model_runner.py",
+             '                    rope.update(kwargs["positions"])', "                    pass",
+             ("tests/e2e/test_model_runner_v2.py", "-k", "llama and FULL_AND_PIECEWISE")),
+    Mutation("v2-profile-graphs-kept", "Model Runner V2's memory-profile captures keep their "
+             "streams", "vllm_ascend/worker/v2/model_runner.py",
+             "            self.graph_state.clear()", "            pass",
+             ("tests/e2e/test_model_runner_v2.py", "-k", "llama and FULL_AND_PIECEWISE")),
+    Mutation("v2-sampling-without-noise", "the simulator's V2 sampling takes the argmax at any "
+             "temperature", "vllm_ascend/device/sim/v2_kernels.py",
+             "    if bool(sampling.any()):", "    if False:",
+             ("tests/ut/test_sim_v2_kernels.py",)),
+    Mutation("v2-dummy-requests-write-kv", "the simulator's V2 slot mapping gives a dummy "
+             "request's tokens cache slots", "vllm_ascend/device/sim/v2_kernels.py",
+             "torch.where(real & enabled, slots, PAD_ID)", "torch.where(enabled, slots, PAD_ID)",
+             ("tests/ut/test_sim_v2_kernels.py",)),
     Mutation("modelslim-mtp-layer-unnamed",
              "an export whose description leaves out DeepSeek's MTP layer fails saying the "
              "description is another model's, not how to list the layer",
