@@ -33,12 +33,12 @@ GiB = float(1 << 30)
 
 
 def point_torch_cuda_at_npu() -> None:
-    """vLLM's runner creates torch.cuda streams and events (in __init__, and later for async
-    outputs): point torch.cuda at torch.npu, as upstream vllm-ascend does, for good (the runner
-    keeps creating events after its construction)."""
+    """vLLM's runners create torch.cuda streams and events (in __init__, and later for async
+    outputs; V2's switch streams with set_stream): point torch.cuda at torch.npu, as upstream
+    vllm-ascend does, for good (the runner keeps creating events after its construction)."""
     npu = torch_npu.npu
     torch.Event = npu.Event
-    for name in ("Event", "Stream", "default_stream", "current_stream", "stream",
+    for name in ("Event", "Stream", "default_stream", "current_stream", "stream", "set_stream",
                  "synchronize", "mem_get_info", "is_current_stream_capturing"):
         setattr(torch.cuda, name, getattr(npu, name))
 

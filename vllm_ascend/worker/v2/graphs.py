@@ -31,7 +31,7 @@ FULL = CUDAGraphMode.FULL.name
 
 
 @contextlib.contextmanager
-def _capture_stream(device=None):
+def _graph_capture(device=None):
     """parallel_state.graph_capture's part on Ascend: a side stream, after the current one's
     work, to capture on (the communicators need nothing: collectives are captured as ops)."""
     stream = torch_npu.npu.Stream()
@@ -89,8 +89,13 @@ class NPUModelGraphManager(ModelCudaGraphManager):
         # communicator; upstream vllm-ascend swaps the class for its own around capture).
         with mock.patch.object(torch.cuda, "CUDAGraph", self._new_graph), \
                 mock.patch.object(torch.cuda, "graph", self._acl_graph), \
-                mock.patch.object(cudagraph_utils, "graph_capture", _capture_stream):
+                mock.patch.object(cudagraph_utils, "graph_capture", _graph_capture):
             super().capture(_StartsCapture(model, self), *args, **kwargs)
+
+    def _capture_stream(self, desc) -> torch.cuda.Stream:
+        # vLLM's asks vllm.utils.torch_utils.current_stream(), a cache that only CUDA's
+        # set_stream keeps current: the stream _graph_capture made current is the device's.
+        return torch_npu.npu.current_stream()
 
     def _new_graph(self, *args, **kwargs) -> FullGraph:
         return FullGraph(self._after_replay, *args, **kwargs)

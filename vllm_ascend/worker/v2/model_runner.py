@@ -11,7 +11,6 @@ from vllm.v1.worker.utils import bind_kv_cache
 
 from vllm_ascend.compilation.acl_graph import GRAPH_STATE, GraphState
 from vllm_ascend import device
-from vllm_ascend.device import torch_npu
 from vllm_ascend.logger import get_logger
 from vllm_ascend.ops.fused_moe import method as fused_moe
 from vllm_ascend.worker.kv_cache import npu_kv_cache_views
@@ -28,8 +27,6 @@ class NPUModelRunnerV2(GPUModelRunner):
 
     def __init__(self, vllm_config, device_: torch.device):
         point_torch_cuda_at_npu()
-        # V2's async output switches streams with torch.cuda.set_stream (as upstream's V2 does).
-        torch.cuda.set_stream = torch_npu.npu.set_stream
         super().__init__(vllm_config, device_)
         self.graph_state = GraphState()
         self.compilation_config.static_forward_context[GRAPH_STATE] = self.graph_state
@@ -39,8 +36,9 @@ class NPUModelRunnerV2(GPUModelRunner):
         model = self.get_model()
         ropes = step_ropes_of(model)
         if ropes:
-            # The RoPE rows of the step's positions, gathered once before each forward (outside
-            # any graph) for every layer to read, as V1's _model_forward does.
+            # The RoPE rows of the step's positions, gathered once before each forward for every
+            # layer to read, as V1's _model_forward does (inside a FULL graph: V2 calls the model
+            # only to capture it, and each replay gathers them again).
             def fill_step_ropes(_module, _args, kwargs):
                 for rope in ropes:
                     rope.update(kwargs["positions"])
