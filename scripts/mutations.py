@@ -366,6 +366,10 @@ MUTATIONS = [
              "request's tokens cache slots", "vllm_ascend/device/sim/v2_kernels.py",
              "torch.where(real & enabled, slots, PAD_ID)", "torch.where(enabled, slots, PAD_ID)",
              ("tests/ut/test_sim_v2_kernels.py",)),
+    Mutation("v2-repetition-penalty-ignored", "the simulator's V2 sampling leaves out the "
+             "repetition penalty", "vllm_ascend/device/sim/v2_kernels.py",
+             "        if rep != 1.0:\n", "        if False:\n",
+             ("tests/ut/test_sim_v2_kernels.py",)),
     Mutation("modelslim-mtp-layer-unnamed",
              "an export whose description leaves out DeepSeek's MTP layer fails saying the "
              "description is another model's, not how to list the layer",

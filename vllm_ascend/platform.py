@@ -146,6 +146,12 @@ class NPUPlatform(Platform):
         # only cleared at shutdown.
         pass
 
+    @classmethod
+    def validate_request(cls, processed_inputs, params) -> None:
+        from vllm_ascend.worker import choice
+
+        choice.check_v2_request(params)
+
     @staticmethod
     def current_stream(device=None):
         # vLLM's current_stream() asks the platform, which resolves unknown names on the torch

@@ -10,7 +10,9 @@ for batches between capture sizes (padding), one request decoding, and batches a
 largest size (no graph); the graphs replayed are exactly those the steps call for; graph output
 equals V2's eager output to the bit. The
 chip-cost ledger of a V2 decode step; what V2 does not run yet refused at start-up, and V1
-unchanged as the default. TP=2 and DP=2: test_model_runner_v2_parallel.py."""
+unchanged as the default; a request needing a kernel the simulator lacks refused while the engine
+serves on. TP=2, DP=2 and the sampling parameters against V1's: test_model_runner_v2_parallel.py.
+"""
 
 import contextlib
 import os
@@ -56,6 +58,9 @@ def v2_engine(family: str, mode: str, **kwargs):
 @pytest.fixture(scope="module", params=CASES, ids=lambda p: f"{p[0]}-{p[1]}")
 def v2_llm(request):
     family, mode = request.param
+    # The eager reference first: an in-process engine's shutdown takes vLLM's parallel groups
+    # with it, which an engine still serving in this process needs.
+    eager_output(family)
     with v2_engine(family, mode) as llm:
         yield family, mode, llm
 
@@ -137,6 +142,18 @@ def test_graphs_give_v2s_eager_output_to_the_bit(v2_llm):
     assert vllm_greedy(llm, PROMPTS + LONG, MAX_TOKENS) == eager_output(family)
 
 
+def test_a_request_needing_a_kernel_the_device_lacks_is_refused_and_the_engine_serves_on(v2_llm):
+    from vllm import SamplingParams
+
+    family, _, llm = v2_llm
+    with pytest.raises(ValueError, match=f"logprob_token_ids is not supported by vllm-ascend's "
+                                         f"Model Runner V2 on this device yet.*{V2}=0"):
+        llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2, logprobs=2,
+                                                 logprob_token_ids=[5, 6]), use_tqdm=False)
+    made = check(llm, family, v2_llm[1], PROMPTS[:1], f"{family} after a refusal")
+    assert made["steps"], made
+
+
 # What V2 launches in a decode step of one request outside the model (the simulator's ledger;
 # each of V2's Triton kernels counts as one launch, as on a chip): its input preparation, the
 # LM head and sampling. V1 launches 42 (test_graph_modes.py), the step's RoPE rows included.
@@ -176,6 +193,8 @@ def create_config(family="llama", **kwargs):
     ("LoRA", dict(enable_lora=True)),
     ("pipeline parallelism", dict(pipeline_parallel_size=2)),
     ("sleep mode", dict(enable_sleep_mode=True)),
+    ("prompt embeddings (enable_prompt_embeds)", dict(enable_prompt_embeds=True)),  # (a kernel
+    # the simulator does not supply)
 ])
 def test_what_v2_does_not_run_yet_is_refused_at_start_up_naming_the_switch(what, kwargs):
     with runner_v2(), pytest.raises(ValueError) as refused:

@@ -4,7 +4,9 @@ kernels' code does (vllm/v1/worker/gpu/): Gumbel-max sampling (its murmur3 noise
 per-value transcription of the kernel's hash; argmax at temperature 0; seeded, so a draft and its
 verification agree; the softmax distribution at temperature 1), block tables and slot mappings
 (staged writes, padding rows zeroed, dummy requests and graph padding writing nothing), and the
-ledger counting each kernel as one launch."""
+ledger counting each kernel as one launch; the sampling parameters' kernels (min_p, penalties
+with their bit mask and counts, allowed tokens, logit bias, min_tokens, bad words) against their
+formulas."""
 
 import math
 
@@ -164,4 +166,101 @@ def test_every_kernel_registered_is_one_of_vllms():
     for name in v2_kernels.KERNELS:
         module, attr = name.rsplit(".", 1)
         assert hasattr(importlib.import_module(module), attr), name
-    assert math.isclose(len(v2_kernels.KERNELS), 14)
+    assert len(v2_kernels.KERNELS) == 21
+
+
+def test_min_p_masks_below_the_rows_max_times_min_p():
+    from vllm.v1.worker.gpu.sample.min_p import apply_min_p
+
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.5, 0.3, 0.15, 0.05]]))
+    apply_min_p(logits, torch.tensor([0, 1]), torch.tensor([0.25, 0.0]))
+    # kept: probabilities of at least 0.25 x the top one's 0.5
+    assert torch.isinf(logits[0]).tolist() == [False, False, False, True]
+    assert not torch.isinf(logits[1]).any()  # min_p 0: untouched
+
+
+def test_penalties_from_the_prompt_the_output_and_the_steps_drafts():
+    from vllm.v1.worker.gpu.sample.penalties import apply_penalties, bincount
+
+    vocab = 40
+    tokens = torch.zeros(2, 16, dtype=torch.int32)
+    tokens[1, :6] = torch.tensor([3, 35, 3, 7, 7, 9])  # prompt 3, 35, 3; output 7, 7, 9
+    mask = torch.zeros(2, -(-vocab // 32), dtype=torch.int32)
+    counts = torch.zeros(2, vocab, dtype=torch.int32)
+    bincount(torch.tensor([1]), tokens, torch.tensor([0, 3]), torch.tensor([0, 6]), mask,
+             counts, 6)
+    assert _bits(mask[1], vocab) == {3, 35}
+    assert {i: int(c) for i, c in enumerate(counts[1]) if c} == {7: 2, 9: 1}
+    logits = torch.linspace(-2, 2, vocab).repeat(2, 1)  # two rows of request 1: a draft step
+    original = logits.clone()
+    input_ids = torch.tensor([0, 11])  # row 1 sees the draft token 11 before it
+    rep, freq, pres = 2.0, 0.5, 0.25
+    apply_penalties(logits, torch.tensor([1, 1]), input_ids, torch.tensor([0, 1]),
+                    torch.tensor([1.0, rep]), torch.tensor([0.0, freq]),
+                    torch.tensor([0.0, pres]), mask, counts)
+    for row, drafts in ((0, {}), (1, {11: 1})):
+        seen = {7: 2, 9: 1, **drafts}
+        for tok in range(vocab):
+            x = float(original[row, tok])
+            if tok in seen or tok in (3, 35):
+                x = x / rep if x > 0 else x * rep
+            x -= freq * seen.get(tok, 0) + pres * (tok in seen)
+            assert math.isclose(float(logits[row, tok]), x, rel_tol=1e-6, abs_tol=1e-6), tok
+
+
+def _bits(words, vocab):
+    return {t for t in range(vocab) if (int(words[t // 32]) >> (t % 32)) & 1}
+
+
+def test_allowed_tokens_logit_bias_and_min_tokens():
+    from vllm.v1.worker.gpu.sample.logit_bias import apply_logit_bias
+
+    logits = torch.arange(12, dtype=torch.float32).repeat(3, 1)
+    ids = lambda *x: torch.tensor([list(x) + [0] * (3 - len(x))] * 3, dtype=torch.int32)  # noqa
+    apply_logit_bias(
+        logits, torch.tensor([0, 1, 2]), pos=torch.tensor([0, 0, 5]),
+        num_allowed_token_ids=torch.tensor([2, 0, 0]), allowed_token_ids=ids(4, 9),
+        num_logit_bias=torch.tensor([0, 1, 0]), logit_bias_token_ids=ids(2),
+        logit_bias=torch.tensor([[0.0] * 3, [100.0, 0, 0], [0.0] * 3]),
+        min_lens=torch.tensor([0, 3, 3]), num_stop_token_ids=torch.tensor([0, 1, 1]),
+        restore_when_all_masked=torch.tensor([0, 0, 0]), stop_token_ids=ids(11))
+    assert [i for i in range(12) if logits[0, i] > float("-inf")] == [4, 9]  # allowed only
+    assert logits[1, 2] == 102.0 and logits[1, 11] == float("-inf")  # biased; before min_tokens
+    assert logits[2, 11] == 11.0  # past min_tokens: the stop token is back
+
+
+def test_a_bad_words_last_token_is_masked_after_its_prefix():
+    from vllm.v1.worker.gpu.sample.bad_words import apply_bad_words
+
+    all_ids = torch.zeros(1, 16, dtype=torch.int32)
+    all_ids[0, :5] = torch.tensor([1, 2, 3, 4, 5])  # prompt 1, 2; output 3, 4, 5
+    words = torch.tensor([[4, 5, 6, 9, 8]], dtype=torch.int32)  # "4 5 6", "9 8"
+    offsets = torch.tensor([[0, 3, 5]], dtype=torch.int32)
+    logits = torch.zeros(2, 10)
+    apply_bad_words(logits, torch.tensor([0, 0]), words, offsets, torch.tensor([2]), all_ids,
+                    torch.tensor([2]), torch.tensor([5]), torch.tensor([0, 9]),
+                    torch.tensor([0, 1]), 2)
+    assert logits[0].isinf().nonzero().flatten().tolist() == [6]  # output ends 4, 5
+    assert logits[1].isinf().nonzero().flatten().tolist() == [8]  # the draft 9 ends it
+
+
+def test_prompt_logprobs_read_each_positions_next_token():
+    from vllm.v1.worker.gpu.sample.prompt_logprob import get_prompt_logprobs_token_ids
+
+    all_ids = torch.arange(40, dtype=torch.int32).view(2, 20)
+    ids = get_prompt_logprobs_token_ids(5, torch.tensor([0, 2, 5]), torch.tensor([1, 0]),
+                                        torch.tensor([3, 10]), all_ids)
+    # request state 1 (10 computed): tokens 11, 12; request state 0 (3 computed): 4, 5, 6
+    assert ids.tolist() == [31, 32, 4, 5, 6]
+
+
+def test_the_grammar_mask_keeps_the_allowed_tokens_of_each_masked_row():
+    logits = torch.zeros(3, 40)
+    bitmask = torch.zeros(2, 2, dtype=torch.int32)
+    bitmask[0, 0], bitmask[1, 1] = 0b1010, 1  # row 0: tokens 1, 3; row 2: token 32
+    stride = 4  # positions per request in the mapping
+    v2_kernels.grammar_bitmask(logits, 40, torch.tensor([0 * stride, 1 * stride + 1]),
+                               torch.tensor([0, 1, 3]), bitmask, 2, 40, stride, 8192)
+    assert (logits[0] == 0).nonzero().flatten().tolist() == [1, 3]
+    assert not logits[1].isinf().any()  # no mask for it
+    assert (logits[2] == 0).nonzero().flatten().tolist() == [32]

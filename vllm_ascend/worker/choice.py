@@ -13,6 +13,27 @@ asks for V2; what it does not support yet is refused at start-up (``describe``).
 import os
 
 ENV_VAR = "VLLM_USE_V2_MODEL_RUNNER"
+_GPU = "vllm.v1.worker.gpu."
+# What a configuration or a request asks of Model Runner V2 that needs a kernel the device may
+# not supply (the simulator's torch versions cover the paths vllm-ascend runs: device/sim/
+# v2_kernels.py; on a chip triton-ascend runs them all): (what, attribute, kernel).
+V2_CONFIG_KERNELS = [("prompt embeddings (enable_prompt_embeds)", "enable_prompt_embeds",
+                      _GPU + "model_states.prompt_embeds._apply_prompt_embeds_kernel")]
+V2_REQUEST_KERNELS = [("logprob_token_ids", "logprob_token_ids",
+                       _GPU + "sample.logprob._fill_logprob_token_ids_kernel"),
+                      ("thinking_token_budget", "thinking_token_budget",
+                       _GPU + "sample.thinking_budget._thinking_budget_kernel")]
+
+
+def _missing_kernels(owner, table) -> list[str]:
+    """What ``owner`` asks for, of ``table``, whose kernel the device does not supply."""
+    from vllm_ascend import device
+
+    kernels = device.current.v2_runner_kernels()
+    if not kernels:  # a device that runs vLLM's own kernels (triton-ascend)
+        return []
+    return [what for what, attribute, kernel in table
+            if getattr(owner, attribute, None) not in (None, False) and kernel not in kernels]
 
 
 def name_v1_runner() -> None:
@@ -37,7 +58,22 @@ def v2_unsupported(vllm_config) -> list[str]:
         unsupported.append("pipeline parallelism")
     if vllm_config.model_config is not None and vllm_config.model_config.enable_sleep_mode:
         unsupported.append("sleep mode")
+    if vllm_config.model_config is not None:
+        unsupported += _missing_kernels(vllm_config.model_config, V2_CONFIG_KERNELS)
     return unsupported
+
+
+def check_v2_request(params) -> None:
+    """Refuse a request whose parameters need a V2 kernel the device does not supply (the
+    platform's validate_request, before the request reaches the engine)."""
+    if os.environ.get(ENV_VAR) != "1":
+        return
+    missing = _missing_kernels(params, V2_REQUEST_KERNELS)
+    if missing:
+        raise ValueError(
+            f"{', '.join(missing)} is not supported by vllm-ascend's Model Runner V2 on this "
+            f"device yet: drop it from the request, or serve with {ENV_VAR}=0 (vLLM's V1 "
+            "model runner).")
 
 
 def describe(vllm_config) -> str:

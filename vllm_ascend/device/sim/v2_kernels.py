@@ -1,7 +1,9 @@
 """Torch implementations of the Triton kernels vLLM's Model Runner V2 launches on the paths
 vllm-ascend runs (input preparation, block tables and slot mappings, staged writes, sampling,
-logprobs), for the simulator, which has no Triton. On a chip triton-ascend runs vLLM's own
-kernels, as upstream vllm-ascend does.
+logprobs and prompt logprobs, the sampling parameters: min_p, penalties, logit bias, allowed
+tokens and min_tokens, bad words; structured output's grammar mask), for the simulator, which
+has no Triton. On a chip triton-ascend runs vLLM's own kernels, as upstream vllm-ascend does.
+Kernels of the paths it does not run are not here: worker/choice.py refuses what needs them.
 
 Each function takes its kernel's parameters in the kernel's order (vLLM's kernel dispatcher,
 ``vllm.triton_utils.dispatcher``, forwards a launch positionally unless the names match). A
@@ -12,6 +14,7 @@ as the kernels read them, from the address: the simulated device's memory is the
 
 import ctypes
 import functools
+import math
 
 import torch
 
@@ -360,6 +363,157 @@ def ranks(output_ptr, logits_ptr, logits_stride, token_ids_ptr, vocab_size, BLOC
     output_ptr[:logits.shape[0]] = (logits >= chosen).sum(dim=-1)
 
 
+def min_p(logits_ptr, logits_stride, expanded_idx_mapping_ptr, min_p_ptr, vocab_size,
+          BLOCK_SIZE):
+    """Logits below the row's max + log(min_p) set to -inf, for requests with min_p > 0."""
+    for t, state in enumerate(expanded_idx_mapping_ptr[:logits_ptr.shape[0]].tolist()):
+        p = float(min_p_ptr[state])
+        if p == 0.0:
+            continue
+        row = logits_ptr[t, :vocab_size]
+        threshold = row.max().float() + math.log(p)
+        row.masked_fill_(row < threshold, float("-inf"))
+
+
+def _unpacked_bits(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """A row of int32 words, bit i of word w standing for token 32 w + i, as a bool row."""
+    bits = (words.to(torch.int64)[:, None] >> torch.arange(32)) & 1
+    return bits.reshape(-1)[:vocab_size].bool()
+
+
+def penalties(logits_ptr, logits_stride, expanded_idx_mapping_ptr, token_ids_ptr,
+              expanded_local_pos_ptr, repetition_penalty_ptr, frequency_penalty_ptr,
+              presence_penalty_ptr, prompt_bin_mask_ptr, prompt_bin_mask_stride,
+              output_bin_counts_ptr, output_bin_counts_stride, vocab_size, BLOCK_SIZE):
+    """Repetition (tokens of the prompt or the output: positive logits divided, others
+    multiplied), frequency (per count) and presence (per token seen) penalties, in float32;
+    the output counts include the row's earlier draft tokens of this step."""
+    positions = expanded_local_pos_ptr.tolist()
+    for t, state in enumerate(expanded_idx_mapping_ptr[:logits_ptr.shape[0]].tolist()):
+        rep = float(repetition_penalty_ptr[state])
+        freq = float(frequency_penalty_ptr[state])
+        pres = float(presence_penalty_ptr[state])
+        if rep == 1.0 and freq == 0.0 and pres == 0.0:
+            continue
+        logits = logits_ptr[t, :vocab_size].float()
+        counts = output_bin_counts_ptr[state, :vocab_size].clone()
+        first = t - positions[t]
+        for prev in range(positions[t]):
+            counts[int(token_ids_ptr[first + prev + 1])] += 1
+        seen = counts > 0
+        if rep != 1.0:
+            scale = torch.where(seen | _unpacked_bits(prompt_bin_mask_ptr[state], vocab_size),
+                                rep, 1.0)
+            logits = logits * torch.where(logits > 0, 1.0 / scale, scale)
+        logits = logits - freq * counts - pres * seen.float()
+        logits_ptr[t, :vocab_size] = logits.to(logits_ptr.dtype)
+
+
+def bincount(expanded_idx_mapping_ptr, all_token_ids_ptr, all_token_ids_stride, prompt_len_ptr,
+             prefill_len_ptr, prompt_bin_mask_ptr, prompt_bin_mask_stride,
+             output_bin_counts_ptr, output_bin_counts_stride, BLOCK_SIZE):
+    """Per row: the prompt's tokens ORed into the request's packed bit mask, and each token
+    after the prompt up to the prefill's end counted into its output counts (once per row: a
+    request with several rows counts its tokens as often, as the kernel's atomics do)."""
+    for state in expanded_idx_mapping_ptr.tolist():
+        prompt_len, prefill_len = int(prompt_len_ptr[state]), int(prefill_len_ptr[state])
+        tokens = all_token_ids_ptr[state, :prefill_len].to(torch.int64)
+        prompt = tokens[:prompt_len].unique()
+        words = torch.zeros(prompt_bin_mask_ptr.shape[1], dtype=torch.int64)
+        words.index_add_(0, prompt // 32, 1 << (prompt % 32))  # distinct bits: sum == OR
+        words = (words + (1 << 31)) % (1 << 32) - (1 << 31)  # as the int32 it is
+        row = prompt_bin_mask_ptr[state]
+        row.copy_(row | words.to(row.dtype))
+        output_bin_counts_ptr[state].index_add_(
+            0, tokens[prompt_len:], torch.ones_like(tokens[prompt_len:],
+                                                    dtype=output_bin_counts_ptr.dtype))
+
+
+def logit_bias(logits_ptr, logits_stride, vocab_size, expanded_idx_mapping_ptr,
+               num_allowed_token_ids_ptr, allowed_token_ids_ptr, allowed_token_ids_stride,
+               num_logit_bias_ptr, bias_token_ids_ptr, bias_token_ids_stride, bias_ptr,
+               bias_stride, pos_ptr, min_lens_ptr, num_stop_token_ids_ptr,
+               restore_when_all_masked_ptr, stop_token_ids_ptr, stop_token_ids_stride,
+               BLOCK_SIZE, LOGITS_BLOCK_SIZE, CHECK_ALL_MASKED_ROWS):
+    """Per row: only the allowed tokens kept (the rest -inf), the logit biases added, and
+    before min_tokens the stop tokens masked (restored where that masks the whole row and the
+    request asks for it)."""
+    for t, state in enumerate(expanded_idx_mapping_ptr[:logits_ptr.shape[0]].tolist()):
+        row = logits_ptr[t, :vocab_size]
+        n = int(num_allowed_token_ids_ptr[state])
+        if n > 0:
+            allowed = allowed_token_ids_ptr[state, :n].to(torch.int64)
+            kept = row[allowed].clone()
+            row.fill_(float("-inf"))
+            row[allowed] = kept
+        n = int(num_logit_bias_ptr[state])
+        if n > 0:
+            ids = bias_token_ids_ptr[state, :n].to(torch.int64)
+            row[ids] = row[ids] + bias_ptr[state, :n].to(row.dtype)
+        n = int(num_stop_token_ids_ptr[state])
+        if n > 0 and int(pos_ptr[t]) + 1 < int(min_lens_ptr[state]):
+            stops = stop_token_ids_ptr[state, :n].to(torch.int64)
+            saved = row[stops].clone()
+            row[stops] = float("-inf")
+            if (CHECK_ALL_MASKED_ROWS and int(restore_when_all_masked_ptr[state])
+                    and bool((row == float("-inf")).all())):
+                finite = saved.isfinite()
+                row[stops[finite]] = saved[finite]
+
+
+def bad_words(logits_ptr, logits_stride, expanded_idx_mapping_ptr, bad_word_token_ids_ptr,
+              bad_word_token_ids_stride, bad_word_offsets_ptr, bad_word_offsets_stride,
+              num_bad_words_ptr, all_token_ids_ptr, all_token_ids_stride, prompt_len_ptr,
+              total_len_ptr, input_ids_ptr, expanded_local_pos_ptr):
+    """A bad word's last token masked (-inf) where the tokens before it end the output so far
+    (the committed output, then this step's draft tokens)."""
+    positions = expanded_local_pos_ptr.tolist()
+    for t, state in enumerate(expanded_idx_mapping_ptr[:logits_ptr.shape[0]].tolist()):
+        pos = positions[t]
+        prompt_len, total_len = int(prompt_len_ptr[state]), int(total_len_ptr[state])
+        output_len = total_len - prompt_len
+        output = all_token_ids_ptr[state, prompt_len:total_len].tolist()
+        drafts = input_ids_ptr[t - pos + 1: t + 1].tolist()  # local positions 1..pos
+        seen = output + drafts  # effective_len tokens
+        offsets = bad_word_offsets_ptr[state].tolist()
+        words = bad_word_token_ids_ptr[state].tolist()
+        for w in range(int(num_bad_words_ptr[state])):
+            word = words[offsets[w]:offsets[w + 1]]
+            prefix = word[:-1]
+            if len(prefix) > output_len + pos:
+                continue
+            if not prefix or seen[len(seen) - len(prefix):] == prefix:
+                logits_ptr[t, word[-1]] = float("-inf")
+
+
+def prompt_logprobs_token_ids(prompt_logprobs_token_ids_ptr, query_start_loc_ptr,
+                              idx_mapping_ptr, num_computed_tokens_ptr, all_token_ids_ptr,
+                              all_token_ids_stride, BLOCK_SIZE):
+    """Each scheduled prompt position's next token (the one its logprob is of)."""
+    qsl = query_start_loc_ptr.tolist()
+    width = all_token_ids_ptr.shape[1]
+    for b, state in enumerate(idx_mapping_ptr.tolist()):
+        start, end = qsl[b], qsl[b + 1]
+        first = int(num_computed_tokens_ptr[state]) + 1
+        row = all_token_ids_ptr[state, first:min(first + end - start, width)]
+        out = prompt_logprobs_token_ids_ptr[start:end]
+        out[:row.shape[0]] = row.to(out.dtype)
+        out[row.shape[0]:] = 0  # past the row (the kernel reads on into memory beyond it)
+
+
+def grammar_bitmask(logits_ptr, logits_stride, logits_indices_ptr, cu_num_logits_ptr,
+                    bitmask_ptr, bitmask_stride, vocab_size, MASK_STRIDE, BLOCK_SIZE):
+    """Structured output: each mask's logits row (request, position) keeps the tokens whose bit
+    is set; the others become -inf. A position past the request's logits is left alone."""
+    cu = cu_num_logits_ptr.tolist()
+    for m, mapping in enumerate(logits_indices_ptr[:bitmask_ptr.shape[0]].tolist()):
+        req, position = divmod(mapping, MASK_STRIDE)
+        if position >= cu[req + 1] - cu[req]:
+            continue
+        allowed = _unpacked_bits(bitmask_ptr[m], vocab_size)
+        logits_ptr[cu[req] + position, :vocab_size].masked_fill_(~allowed, float("-inf"))
+
+
 def _one_kernel(fn):
     """``fn`` as the chip runs it: one kernel launch in the simulator's chip-cost ledger."""
     @functools.wraps(fn)
@@ -387,5 +541,12 @@ _KERNELS = {
     _GPU + "sample.gumbel._temperature_kernel": apply_temperature,
     _GPU + "sample.logprob._topk_log_softmax_kernel": topk_log_softmax,
     _GPU + "sample.logprob._ranks_kernel": ranks,
+    _GPU + "sample.min_p._min_p_kernel": min_p,
+    _GPU + "sample.penalties._penalties_kernel": penalties,
+    _GPU + "sample.penalties._bincount_kernel": bincount,
+    _GPU + "sample.logit_bias._bias_kernel": logit_bias,
+    _GPU + "sample.bad_words._bad_words_kernel": bad_words,
+    _GPU + "sample.prompt_logprob._prompt_logprobs_token_ids_kernel": prompt_logprobs_token_ids,
+    _GPU + "structured_outputs._apply_grammar_bitmask_kernel": grammar_bitmask,
 }
 KERNELS = {name: _one_kernel(fn) for name, fn in _KERNELS.items()}
