@@ -324,6 +324,26 @@ def expected_replays(mode: str, steps, num_layers: int, max_size: int,
     return dict(counts)
 
 
+def num_layers(llm) -> int:
+    return llm.llm_engine.vllm_config.model_config.hf_config.num_hidden_layers
+
+
+def check_close_with_replays(llm, path: str, dtype: str, mode: str, prompts, label: str,
+                             max_size: int) -> dict:
+    """Greedy output close to HF's, one step per generated token at least, and exactly the
+    replays the steps call for in ``mode`` (graphs up to ``max_size`` tokens); returns the
+    replays made (``replays``)."""
+    with replays(llm) as made:
+        outs = vllm_greedy(llm, prompts, MAX_TOKENS)
+    for prompt, out in zip(prompts, outs):
+        check_logprobs_close(hf_greedy(path, prompt, MAX_TOKENS), out, f"{label} {prompt!r}",
+                             dtype=dtype)
+    assert len(made["steps"]) >= MAX_TOKENS, made["steps"]
+    assert made["replayed"] == expected_replays(mode, made["steps"], num_layers(llm),
+                                                max_size), made
+    return made
+
+
 def chip_cost_per_decode_step(llm, batch: int = 1, tokens: int = 4) -> dict:
     """The simulator's chip-cost ledger (vllm_ascend/device/sim/ledger.py) of one decode step of
     an in-process engine, `batch` requests: counts over 1 + tokens generated minus counts over 1,

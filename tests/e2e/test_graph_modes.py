@@ -7,10 +7,8 @@ graph; every check also counts the graphs that replayed, so an eager fallback fa
 import pytest
 
 from tests.e2e.conftest import (OUR_CLASSES, PROMPTS, QUANTIZED, chip_cost_per_decode_step,
-                                check_logprobs_close, check_plan, engine, expected_replays,
-                                graph_counts,
-                                hf_greedy, loaded_class, MAX_TOKENS, model_path, replays,
-                                vllm_greedy)
+                                check_close_with_replays, check_plan, engine, graph_counts,
+                                loaded_class, MAX_TOKENS, model_path, num_layers)
 from vllm_ascend.device.sim.ledger import LAUNCHES, PLUGIN_SYNCS, REPLAYS, UPDATES
 
 CAPTURE_SIZES = [1, 2, 4]
@@ -48,22 +46,10 @@ def graph_llm(request):
         yield family, mode, llm
 
 
-def num_layers(llm) -> int:
-    return llm.llm_engine.vllm_config.model_config.hf_config.num_hidden_layers
-
-
 def check(llm, family, mode, prompts, label) -> dict:
     """Greedy output close to HF's, and exactly the replays the steps call for."""
-    n = MAX_TOKENS
-    with replays(llm) as made:
-        outs = vllm_greedy(llm, prompts, n)
-    for prompt, out in zip(prompts, outs):
-        check_logprobs_close(hf_greedy(model_path(family), prompt, n), out, f"{label} {prompt!r}",
-                             dtype=dtype_of(family))
-    assert len(made["steps"]) >= n, made["steps"]  # one step per generated token, at least
-    assert made["replayed"] == expected_replays(mode, made["steps"], num_layers(llm),
-                                                max(CAPTURE_SIZES)), made
-    return made
+    return check_close_with_replays(llm, model_path(family), dtype_of(family), mode, prompts,
+                                    label, max(CAPTURE_SIZES))
 
 
 def test_async_scheduling_is_on_the_engine_schedules_a_step_ahead(graph_llm):

@@ -19,9 +19,9 @@ import os
 
 import pytest
 
-from tests.e2e.conftest import (check_logprobs_close, check_plan, chip_cost_per_decode_step,
-                                engine, expected_replays, graph_counts, hf_greedy, MAX_TOKENS,
-                                model_path, platform_log, replays, speculative_config,
+from tests.e2e.conftest import (check_close_with_replays, check_plan,
+                                chip_cost_per_decode_step, engine, graph_counts, MAX_TOKENS,
+                                model_path, num_layers, platform_log, speculative_config,
                                 vllm_greedy)
 from vllm_ascend.device.sim.ledger import LAUNCHES, PLUGIN_SYNCS, REPLAYS, UPDATES
 
@@ -75,21 +75,10 @@ def eager_output(family: str):
     return EAGER[family]
 
 
-def num_layers(llm) -> int:
-    return llm.llm_engine.vllm_config.model_config.hf_config.num_hidden_layers
-
-
 def check(llm, family, mode, prompts, label) -> dict:
     """Greedy output close to HF's, and exactly the replays the steps call for."""
-    with replays(llm) as made:
-        outs = vllm_greedy(llm, prompts, MAX_TOKENS)
-    for prompt, out in zip(prompts, outs):
-        check_logprobs_close(hf_greedy(model_path(family), prompt, MAX_TOKENS), out,
-                             f"V2 {label} {prompt!r}", dtype=DTYPES[family])
-    assert len(made["steps"]) >= MAX_TOKENS, made["steps"]
-    assert made["replayed"] == expected_replays(mode, made["steps"], num_layers(llm),
-                                                max(CAPTURE_SIZES)), made
-    return made
+    return check_close_with_replays(llm, model_path(family), DTYPES[family], mode, prompts,
+                                    f"V2 {label}", max(CAPTURE_SIZES))
 
 
 def test_the_runner_is_v2_on_the_ascend_backend_with_the_graphs_its_mode_captures(v2_llm):

@@ -16,10 +16,9 @@ import pytest
 
 from tests.e2e.cells import note_printed_engines
 from tests.e2e.conftest import (check_logprobs_close, engine, expected_replays, hf_greedy,
-                                MAX_TOKENS, model_path, replays, vllm_greedy)
+                                MAX_TOKENS, model_path, num_layers, replays, vllm_greedy)
 from tests.e2e.test_data_parallel import check_data_parallel
-from tests.e2e.test_model_runner_v2 import (CAPTURE_SIZES, PROMPTS, V2, num_layers,
-                                            runner_v2, v2_engine)
+from tests.e2e.test_model_runner_v2 import CAPTURE_SIZES, PROMPTS, V2, runner_v2, v2_engine
 
 pytestmark = pytest.mark.slow  # (worker processes)
 

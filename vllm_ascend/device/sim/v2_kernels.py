@@ -21,7 +21,6 @@ import torch
 from vllm_ascend.device.sim import ledger as _ledger
 
 M32 = 0xFFFFFFFF
-PAD_SLOT_ID = -1
 
 
 def _int32_rows(address: int, rows: int, stride: int) -> torch.Tensor:
