@@ -52,6 +52,11 @@ MUTATIONS = [
              "                c.event.record(stream)\n"
              "                torch_npu.npu.graph_task_update_begin(stream, c.handle)",
              ("tests/e2e/test_full_graphs.py",)),
+    Mutation("fia-update-not-ordered",
+             "the next step's task update rewrites the host lists of a replay still running",
+             "vllm_ascend/attention/graph_params.py",
+             "        self.stream.wait_stream(torch_npu.npu.current_stream())",
+             "        pass", ("tests/e2e/test_full_graphs.py",)),
     Mutation("fia-kv-lengths-not-updated", "a FULL replay attends over the capture's KV lengths",
              "vllm_ascend/attention/backend.py",
              ARGS_INDENT + "actual_seq_lengths=metadata.actual_seq_lengths_q,\n"
@@ -346,6 +351,11 @@ MUTATIONS = [
              "with the capture's lengths", "vllm_ascend/worker/v2/graphs.py",
              "        self.state.fia.update(graph, self.step_metadata())", "        pass",
              ("tests/e2e/test_model_runner_v2.py", "-k", "llama and FULL_AND_PIECEWISE")),
+    Mutation("v2-update-not-ordered",
+             "under Model Runner V2, the next step's task update rewrites a running replay's lists",
+             "vllm_ascend/worker/v2/graphs.py",
+             "        self.state.fia.before_replay()\n",
+             "", ("tests/e2e/test_model_runner_v2.py",)),
     Mutation("v2-full-step-not-padded", "under Model Runner V2 a FULL step's padding tokens "
              "belong to no request (FIA's TND check)", "vllm_ascend/worker/v2/model_runner.py",
              "        if not padding.pads_attention:", "        if True:",

@@ -141,9 +141,9 @@ def test_a_decode_step_costs_the_chip_what_its_mode_promises(graph_llm):
                     UPDATES: 0, PLUGIN_SYNCS: 0}
     else:
         # One replay and one task update per attention layer, nothing of the model launched on
-        # its own; the plugin waits once, for the previous replay before the next (as upstream
-        # vllm-ascend does).
+        # its own; the plugin never waits: the updates are ordered after the previous replay on
+        # the device (the simulator refuses an update that is not).
         expected = {LAUNCHES: VLLM_DECODE_LAUNCHES, REPLAYS: 1, UPDATES: layers,
-                    PLUGIN_SYNCS: 1}
+                    PLUGIN_SYNCS: 0}
     cost = chip_cost_per_decode_step(llm)
     assert {row: cost[row] for row in expected} == expected, cost

@@ -194,7 +194,9 @@ TABLE = {
     "npu.is_current_stream_capturing": ([], {}),
     "npu.stream": ([value("stream", "stream(capturing)")], {}),
     "npu.synchronize": ([], {}),
-    "npu.Stream.synchronize": ([], {}),
+    # v2/aclgraph_utils.py run_fullgraph: the update stream waits for the current one before
+    # a FULL replay (and the capture stream before a capture, model_runner_v1.py graph_capture).
+    "npu.Stream.wait_stream": ([value("stream")], {}),
     "npu.ExternalEvent.wait": ([CAPTURING], {}),
     "npu.ExternalEvent.reset": ([CAPTURING], {}),
     "npu.ExternalEvent.record": ([IDLE], {}),

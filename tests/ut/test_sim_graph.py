@@ -366,6 +366,7 @@ def test_task_update_with_event_gives_the_replay_this_steps_lengths_in_either_or
     a = Attention()
     a.capture(3)
     for kv_len in (9, 5, 12):
+        a.stream.wait_stream(npu.current_stream())  # the updates come after the last replay
         if order == "update, then replay":  # torch_npu's reference test
             a.update(kv_len)
             a.graph.replay()
@@ -384,9 +385,51 @@ def test_a_replay_that_does_not_wait_for_its_update_reads_stale_lengths():
     a.capture(3, with_event=False)
     for previous, kv_len in ((3, 9), (9, 5), (5, 12)):
         a.graph.replay()
+        a.stream.wait_stream(npu.current_stream())  # the update runs after this replay
         a.update(kv_len, record=False)  # nothing in the graph waits for it
         torch.testing.assert_close(a.out, a.eager(previous))
         assert not torch.allclose(a.out, a.eager(kv_len))
+
+
+@pytest.mark.parametrize("ordering", ["none", "wait_stream", "event", "synchronize"])
+def test_an_update_must_be_ordered_after_the_graphs_previous_replay(ordering):
+    """The host does not wait for a replay (async scheduling prepares the next step meanwhile):
+    the next step's update, on its own stream, could rewrite an attention node that replay has
+    yet to run. vllm-ascend orders it on the device: the update stream waits for the stream the
+    previous replay ran on. Without an order the update fails."""
+    a = Attention()
+    a.capture(3)
+    a.graph.replay()
+    a.update(9)
+    torch.testing.assert_close(a.out, a.eager(9))
+    if ordering == "wait_stream":
+        a.stream.wait_stream(npu.current_stream())
+    elif ordering == "event":
+        done = npu.Event()
+        done.record(npu.current_stream())
+        a.stream.wait_event(done)
+    elif ordering == "synchronize":
+        npu.current_stream().synchronize()
+    a.graph.replay()
+    if ordering == "none":
+        with pytest.raises(GraphReplayError, match="previous replay may still run"):
+            a.update(5)
+        with pytest.raises(GraphReplayError, match="1 replay"):
+            npu.synchronize()  # the replay that waits for the refused update waits forever
+        return
+    a.update(5)
+    torch.testing.assert_close(a.out, a.eager(5))
+
+
+def test_an_update_stream_waiting_for_the_replay_it_serves_is_a_deadlock():
+    a = Attention()
+    a.capture(3)
+    a.graph.replay()  # held at the event wait
+    a.stream.wait_stream(npu.current_stream())  # after the launch: waits for the held replay
+    with pytest.raises(GraphReplayError, match="both streams hang"):
+        a.update(9)
+    with pytest.raises(GraphReplayError, match="1 replay"):
+        npu.synchronize()
 
 
 def test_side_stream_work_runs_when_an_event_orders_it():

@@ -8,7 +8,10 @@ ExternalEvent; its handle, event and the tensors it reads are kept per batch des
 workspace per descriptor. After each FULL replay is launched, ``update`` re-issues every layer's
 FIA with the step's host lists through a task update on the update stream and records the
 layer's event there: the replay's attention node waits for exactly that record, so it runs with
-this step's lengths instead of the capture's.
+this step's lengths instead of the capture's. Before the replay is launched, ``before_replay``
+makes the update stream wait for the current one: the updates then cannot rewrite the lists of
+a previous replay still running, and the host never waits (async scheduling prepares the next
+step while this one runs).
 """
 
 import dataclasses
@@ -89,11 +92,23 @@ class GraphParams:
             handle=handle, event=event, op=op, inputs=inputs, args=args, workspace=workspace,
             out=out, softmax_lse=softmax_lse, step_args=step_args))
 
-    def update(self, key, metadata) -> None:
-        """Re-issue each captured FIA of graph ``key`` with ``metadata``'s host lists."""
+    @property
+    def stream(self):
+        """The update stream."""
         if self._stream is None:
             self._stream = torch_npu.npu.Stream()
-        stream = self._stream
+        return self._stream
+
+    def before_replay(self) -> None:
+        """Right before a FULL replay is launched: the update stream's next work (this replay's
+        updates) runs after all the current stream holds, the previous replay included, whose
+        attention may not have read the host lists the updates rewrite. Ordered on the device,
+        so the host does not wait (as upstream's V2 graph manager)."""
+        self.stream.wait_stream(torch_npu.npu.current_stream())
+
+    def update(self, key, metadata) -> None:
+        """Re-issue each captured FIA of graph ``key`` with ``metadata``'s host lists."""
+        stream = self.stream
         with torch_npu.npu.stream(stream):
             for c in self.calls[key]:
                 torch_npu.npu.graph_task_update_begin(stream, c.handle)

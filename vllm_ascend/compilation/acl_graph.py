@@ -102,6 +102,9 @@ class GraphHooks:
     def capture_end(self) -> None:
         pass
 
+    def before_replay(self, desc) -> None:
+        """Right before a replay is launched (FULL graphs: order the updates after the last)."""
+
     def after_replay(self, desc) -> None:
         """Right after a replay was launched (FULL graphs: issue the step's task updates)."""
 
@@ -195,10 +198,7 @@ class ACLGraphWrapper:
                 f"{self.runtime_mode.name} graph for {desc} replayed with inputs at other "
                 f"addresses than at capture ({addresses} vs {entry.input_addresses}): the graph "
                 "would read stale buffers. Inputs must live in the runner's persistent buffers.")
-        if self.runtime_mode == CUDAGraphMode.FULL:
-            # As upstream: the host must not run ahead of the previous replay, whose attention
-            # may still wait for its update.
-            torch_npu.npu.current_stream().synchronize()
+        self.hooks.before_replay(desc)
         entry.graph.replay()
         self.hooks.after_replay(desc)
         self.state.replayed[mode.name] += 1

@@ -68,9 +68,10 @@ def log_capture(state: GraphState, mode: CUDAGraphMode, sizes: dict[str, list[in
 
 
 class FIAGraphHooks(GraphHooks):
-    """FULL graphs: keep each layer's FIA task group at capture; right after each replay is
-    launched, re-issue the step's host lists (cumulative query lengths, KV lengths) through
-    task updates, whose events the replay's attention nodes wait for."""
+    """FULL graphs: keep each layer's FIA task group at capture; order the update stream after
+    the previous replay before each replay is launched, and right after, re-issue the step's
+    host lists (cumulative query lengths, KV lengths) through task updates, whose events the
+    replay's attention nodes wait for."""
 
     def __init__(self, state: GraphState):
         self.fia = state.fia
@@ -80,6 +81,9 @@ class FIAGraphHooks(GraphHooks):
 
     def capture_end(self) -> None:
         self.fia.end_capture()
+
+    def before_replay(self, desc) -> None:
+        self.fia.before_replay()
 
     def after_replay(self, desc) -> None:
         metadata = get_forward_context().attn_metadata

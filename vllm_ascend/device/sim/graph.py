@@ -534,6 +534,9 @@ class SimGraph:
     def __init__(self, streams: StreamPool):
         self._streams = streams
         self._holds_stream = False
+        # Its last two replays, (stream, that stream's replay number): a task update must be
+        # ordered after the previous one (sim/npu.py).
+        self.last_replays: tuple = (None, None)
         self._extra_streams = 0  # one per communication group captured
         self._recorder: _Recorder | None = None
         self._next_group = 0

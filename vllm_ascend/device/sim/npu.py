@@ -10,6 +10,14 @@ simulator takes the latest, so a replay that does not wait for its update runs w
 host lists (as it can on a chip) instead of the fresh ones. Only the host thread that issued the
 work runs it: the device's work never runs in two host threads at once.
 
+Launches on the default stream run at once, so a replay is over when the host goes on; on the chip
+it may still run. The simulator tracks what the chip guarantees instead: which replays each
+stream's next work is ordered after (``wait_stream``, an event recorded and waited on) and which
+the host knows finished (a synchronisation of the device, the stream or an event). A task update
+of a graph whose previous replay is not so ordered before it fails at once: on the chip it could
+rewrite the host lists of an attention node that replay has yet to run (a wrong answer, not an
+error).
+
 What the chip's contracts make observable is kept: a graph captures only on a capturing
 (non-default) stream; task groups open only there and task updates only on a non-capturing one;
 an ExternalEvent captured as a wait holds the replay at that node until an update records it (the
@@ -20,6 +28,7 @@ loudly as soon as anything depends on it, where the chip would hang.
 import contextlib
 import os
 import threading
+import weakref
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -63,6 +72,17 @@ class Stream:
         self._queue: list = []  # deferred work: (sequence number, fn)
         self._issued = 0  # sequence number of the last work issued here
         self._owner: "int | None" = None  # the host thread that issued it
+        self.replays = 0  # graph replays launched on this stream
+        # The replays of each stream that this stream's next work is ordered after.
+        self.ordered_after: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        _ALL_STREAMS.add(self)
+
+    def knows(self) -> dict:
+        """What work issued on this stream from now on is ordered after: its own replays so
+        far and what it waited for."""
+        knows = dict(self.ordered_after)
+        knows[self] = self.replays
+        return knows
 
     def defer(self, fn) -> None:
         """Issue ``fn`` as work of this stream: at once on the default stream, else queued."""
@@ -94,9 +114,14 @@ class Stream:
         _ledger.note(_ledger.SYNCS)
         _check_no_waiting_replay("synchronize")
         _memory.synchronized()
+        _host_learns(self.knows())
 
     def wait_stream(self, stream) -> None:
         stream.flush()  # this stream's later work runs after all that ``stream`` holds now
+        _merge(self.ordered_after, stream.knows())
+
+    def wait_event(self, event) -> None:
+        event.wait(self)
 
     def __repr__(self):
         return f"<sim npu Stream {id(self):#x}>"
@@ -108,8 +133,28 @@ class _Streams(threading.local):
         self.stack = [self.default]
 
 
+_ALL_STREAMS: weakref.WeakSet = weakref.WeakSet()
 _STREAMS = _Streams()
 _PENDING: dict = {}  # streams with queued work, in the order they got it
+
+
+def _merge(into, knows: dict) -> None:
+    for s, replays in knows.items():
+        if into.get(s, 0) < replays:
+            into[s] = replays
+
+
+class _Host(threading.local):
+    def __init__(self):
+        # The replays this host thread knows finished (it synchronised after them).
+        self.knows: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+_HOST = _Host()
+
+
+def _host_learns(knows: dict) -> None:
+    _merge(_HOST.knows, knows)
 
 
 def _flush_all() -> None:
@@ -160,6 +205,16 @@ def synchronize(device=None) -> None:
     _ledger.note(_ledger.SYNCS)
     _check_no_waiting_replay("synchronize")
     _memory.synchronized()
+    for s in list(_ALL_STREAMS):
+        _host_learns({s: s.replays})
+
+
+def _ordered_before(stream: Stream, replay: "tuple[Stream, int]", host: bool = True) -> bool:
+    """Whether work issued on ``stream`` now runs after ``replay`` (its stream, its number):
+    through the stream's waits, or (``host``) a host synchronisation after it."""
+    s, number = replay
+    return (s is stream or stream.ordered_after.get(s, 0) >= number
+            or host and _HOST.knows.get(s, 0) >= number)
 
 
 def is_current_stream_capturing() -> bool:
@@ -174,21 +229,26 @@ class Event:
 
     def __init__(self, enable_timing=False, blocking=False, interprocess=False, **kwargs):
         self._mark: "tuple[Stream, int] | None" = None
+        self._knows: dict = {}  # what the recording stream's work up to the mark came after
 
     def record(self, stream=None) -> None:
         s = stream or current_stream()
         self._mark = (s, s._issued)
+        self._knows = s.knows()
 
     def wait(self, stream=None) -> None:
         if self._mark is not None:
             s, upto = self._mark
             s.flush(upto)
+        _merge((stream or current_stream()).ordered_after, self._knows)
 
     def synchronize(self) -> None:
         _ledger.note(_ledger.SYNCS)
-        self.wait()
+        if self._mark is not None:
+            self._mark[0].flush(self._mark[1])
         _check_no_waiting_replay("Event.synchronize")
         _memory.synchronized()
+        _host_learns(self._knows)
 
     def query(self) -> bool:
         return (self._mark is None or self._mark[0].done(self._mark[1])) and not _mine()
@@ -318,6 +378,7 @@ def _give_up_waiting(what: str) -> RuntimeError:
     waiting = _mine()
     for graph_ in waiting:
         _WAITING.pop(graph_, None)
+        _host_learns(dict([graph_.last_replays[1]]))  # it is over: the host saw it fail
         for _, event in graph_.segments:
             if event is not None:
                 event._waiting = [w for w in event._waiting if w[0] is not graph_]
@@ -403,6 +464,9 @@ class NPUGraph:
             raise RuntimeError("replay() of an NPUGraph that holds no capture")
         _check_no_waiting_replay("NPUGraph.replay")
         _ledger.note(_ledger.REPLAYS)
+        s = current_stream()
+        s.replays += 1
+        self._graph.last_replays = (self._graph.last_replays[1], (s, s.replays))
         blocked_at = self._graph.run(0)
         if blocked_at is not None:
             _hold(self._graph, blocked_at)
@@ -481,6 +545,22 @@ def graph_task_update_begin(stream: Stream, handle: _NPUTaskGroupHandle) -> None
     if not isinstance(handle, _NPUTaskGroupHandle) or not handle._graph.segments:
         raise RuntimeError("graph_task_update_begin: the handle is not a task group of a "
                            "captured graph")
+    # The update is for the graph's last replay if that one waits at an event (launched
+    # first, as vllm-ascend does), else for its next one; the replay before must have run.
+    before_last, last = handle._graph.last_replays
+    served, previous = (last, before_last) if handle._graph in _WAITING else (None, last)
+    if served is not None and _ordered_before(stream, served, host=False):
+        raise _graph.GraphReplayError(
+            "graph_task_update_begin: the update stream waits for the replay this update serves "
+            "(wait_stream after the replay was launched), which waits for the update: on the chip "
+            "both streams hang. Make the update stream wait before launching the replay")
+    if previous is not None and not _ordered_before(stream, previous):
+        raise _graph.GraphReplayError(
+            "graph_task_update_begin: the graph's previous replay may still run on the device "
+            "(the host launched it and did not wait), and nothing orders this update after it: "
+            "on the chip the update can rewrite the host lists of an attention node that replay "
+            "has yet to run. Before launching the replay, make the update stream wait for the "
+            "stream it replays on (update_stream.wait_stream(current_stream()))")
     stream.update_handle = handle
     stream.update_issued = False
 

@@ -136,7 +136,7 @@ def install(torch_npu_module, npu_module) -> None:
         method = getattr(event, name)
         setattr(event, name, _traced_method(f"npu.ExternalEvent.{name}", method))
     for cls, names in ((npu_module.NPUGraph, ("replay", "capture_begin", "capture_end")),
-                       (npu_module.Stream, ("synchronize",))):
+                       (npu_module.Stream, ("synchronize", "wait_stream"))):
         for name in names:
             setattr(cls, name, _traced_method(f"npu.{cls.__name__}.{name}", getattr(cls, name)))
 

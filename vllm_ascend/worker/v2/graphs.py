@@ -140,9 +140,7 @@ class NPUModelGraphManager(ModelCudaGraphManager):
         capture.enter_context(without_dp_sizes(get_forward_context()))
 
     def run_fullgraph(self, desc):
-        # As V1's ACL wrapper: the host must not run ahead of the previous replay, whose
-        # attention may still wait for its update.
-        torch_npu.npu.current_stream().synchronize()
+        self.state.fia.before_replay()
         return super().run_fullgraph(desc)
 
     def clear_graphs(self) -> None:
