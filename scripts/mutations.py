@@ -356,6 +356,12 @@ MUTATIONS = [
              "vllm_ascend/worker/v2/graphs.py",
              "        self.state.fia.before_replay()\n",
              "", ("tests/e2e/test_model_runner_v2.py",)),
+    Mutation("v2-mixed-capture-without-dummy", "under Model Runner V2 a mixed FULL graph is "
+             "captured without the dummy request its replays' FIA sees",
+             "vllm_ascend/worker/v2/graphs.py",
+             "                return rows.padded(batch, num_reqs + 1, scheduled=True)",
+             "                return batch",
+             ("tests/e2e/test_model_runner_v2.py", "-k", "llama-FULL]")),
     Mutation("v2-full-step-not-padded", "under Model Runner V2 a FULL step's padding tokens "
              "belong to no request (FIA's TND check)", "vllm_ascend/worker/v2/model_runner.py",
              "        if not padding.pads_attention:", "        if True:",

@@ -2,10 +2,12 @@
 vLLM's V2 input preparation and sampling (its Triton kernels run as the simulator's torch
 implementations, device/sim/v2_kernels.py), PIECEWISE graphs on the compile backend's wrappers
 and FULL graphs through the ACL graph manager (worker/v2/graphs.py), whose replays re-issue FIA's
-host lists; the runner pads a FULL step with fake requests as V1 does.
+host lists; the runner pads a FULL step with fake requests (and a mixed FULL graph's batch with
+its dummy request, at capture too) as V1 does.
 
-The tiny Llama and Qwen3-MoE (float16: routing ties, docs/moe.md) in PIECEWISE, FULL_DECODE_ONLY
-and FULL_AND_PIECEWISE, and DeepSeek-V2-MoE (MLA) in FULL_DECODE_ONLY: close to HF transformers,
+The tiny Llama and Qwen3-MoE (float16: routing ties, docs/moe.md) in PIECEWISE, FULL,
+FULL_DECODE_ONLY and FULL_AND_PIECEWISE, and DeepSeek-V2-MoE (MLA) in FULL_DECODE_ONLY: close to
+HF transformers,
 for batches between capture sizes (padding), one request decoding, and batches above the
 largest size (no graph); the graphs replayed are exactly those the steps call for; graph output
 equals V2's eager output to the bit. The
@@ -34,7 +36,7 @@ LONG = [f"Item {i} of the list is" for i in range(6)]  # 6 decodes a step: above
 QUICK = {("llama", "FULL_AND_PIECEWISE"), ("qwen3_moe", "FULL_DECODE_ONLY")}
 CASES = [pytest.param((f, m), marks=() if (f, m) in QUICK else pytest.mark.slow)
          for f in ("llama", "qwen3_moe")
-         for m in ("PIECEWISE", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")] + [
+         for m in ("PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")] + [
     pytest.param(("deepseek_v2_moe", "FULL_DECODE_ONLY"), marks=pytest.mark.slow)]  # MLA
 
 
@@ -98,8 +100,9 @@ def test_the_runner_is_v2_on_the_ascend_backend_with_the_graphs_its_mode_capture
         ("sim", "NPUModelRunnerV2", "NPUModelGraphManager", [backend])]
     counts = graph_counts(llm)
     pieces = (num_layers(llm) + 1) * len(CAPTURE_SIZES)  # one graph per piece per size
-    full = len(CAPTURE_SIZES)  # one FULL graph of uniform decodes per size
-    expected = {"PIECEWISE": {"PIECEWISE": pieces}, "FULL_DECODE_ONLY": {"FULL": full},
+    full = len(CAPTURE_SIZES)  # one FULL graph per size: of uniform decodes, or mixed in FULL
+    expected = {"PIECEWISE": {"PIECEWISE": pieces}, "FULL": {"FULL": full},
+                "FULL_DECODE_ONLY": {"FULL": full},
                 "FULL_AND_PIECEWISE": {"PIECEWISE": pieces, "FULL": full}}[mode]
     assert counts["captured"] == expected  # the memory profile's sample captures dropped
     assert counts["streams_in_use"] == sum(expected.values())
@@ -143,6 +146,22 @@ def test_a_request_needing_a_kernel_the_device_lacks_is_refused_and_the_engine_s
     assert made["steps"], made
 
 
+@pytest.mark.slow
+def test_full_mode_replays_every_step_and_gives_a_full_batch_its_dummy_request():
+    """FULL under V2 with graphs as large as the batch: every step, the prefill included,
+    replays a mixed FULL graph, and a batch of max_num_seqs requests gets FIA's dummy request in
+    the row the runner keeps beyond vLLM's buffers (RequestRows)."""
+    prompts = [" ".join(["amber"] * n) for n in (1, 2, 3, 4)]  # 4 requests: max_num_seqs
+    compilation = {"cudagraph_mode": "FULL", "cudagraph_capture_sizes": [1, 2, 4, 8, 16]}
+    with runner_v2(), engine(model_path("llama"), dtype=DTYPES["llama"], max_num_seqs=4,
+                             compilation_config=compilation) as llm:
+        made = check_close_with_replays(llm, model_path("llama"), DTYPES["llama"], "FULL",
+                                        prompts, "V2 FULL, a full batch", 16)
+    assert (4, 4) in made["steps"], made  # decodes of a full batch
+    assert any(tokens > reqs for tokens, reqs in made["steps"]), made  # the prefill
+    assert made["replayed"] == {"FULL": len(made["steps"])}, made
+
+
 # What V2 launches in a decode step of one request outside the model (the simulator's ledger;
 # each of V2's Triton kernels counts as one launch, as on a chip): its input preparation, the
 # LM head and sampling. V1 launches 42 (test_graph_modes.py), the step's RoPE rows included.
@@ -177,7 +196,6 @@ def create_config(family="llama", **kwargs):
 
 
 @pytest.mark.parametrize("what,kwargs", [
-    ("cudagraph_mode FULL", dict(compilation_config={"cudagraph_mode": "FULL"})),
     ("speculative decoding", dict(speculative_config=speculative_config("llama", "eagle", 2))),
     ("LoRA", dict(enable_lora=True)),
     ("pipeline parallelism", dict(pipeline_parallel_size=2)),

@@ -70,3 +70,28 @@ def test_a_uniform_graph_that_cannot_hold_the_step_is_an_error():
         decide_padding(M.FULL, 3, 3, 8, 4, True, 2, CAP)
     with pytest.raises(ValueError, match="do not fit"):
         decide_padding(M.FULL, 9, 9, 8, 8, True, 1, CAP)
+
+
+def test_v2_request_rows_give_a_batch_the_dummy_request_beyond_vllms_buffers():
+    """Model Runner V2: a mixed FULL graph of as many requests as vLLM's buffers hold still gets
+    FIA's dummy request, in the row the runner keeps behind them (worker/v2/model_runner.py)."""
+    import torch
+    from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
+
+    from vllm_ascend.worker.v2.model_runner import RequestRows
+
+    buffers = InputBuffers(max_num_reqs=4, max_num_tokens=16, device=torch.device("cpu"))
+    rows = RequestRows(torch.full((6,), 9, dtype=torch.int32),
+                       torch.full((5,), 9, dtype=torch.int32))
+    buffers.query_start_loc, buffers.seq_lens = rows.query_start_loc[:-1], rows.seq_lens[:-1]
+    batch = InputBatch.make_dummy(4, 8, buffers)  # vLLM's capture batch: 4 requests of 2
+    captured = rows.padded(batch, 5, scheduled=True)
+    assert captured.num_reqs == captured.num_reqs_after_padding == 5
+    assert captured.query_start_loc.tolist() == captured.query_start_loc_np.tolist() == [
+        0, 2, 4, 6, 8, 8]
+    assert captured.seq_lens.tolist() == captured.seq_lens_cpu_upper_bound.tolist() == [
+        2, 2, 2, 2, 0]
+    assert captured.num_scheduled_tokens.tolist() == [2, 2, 2, 2, 0]
+    padding = rows.padded(batch, 5)  # a step's: the scheduled requests stay vLLM's
+    assert (padding.num_reqs, padding.num_reqs_after_padding) == (4, 5)
+    assert padding.num_scheduled_tokens.tolist() == [2, 2, 2, 2]

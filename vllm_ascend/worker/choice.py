@@ -43,13 +43,7 @@ def name_v1_runner() -> None:
 
 def v2_unsupported(vllm_config) -> list[str]:
     """What of this configuration vllm-ascend's Model Runner V2 does not run yet."""
-    from vllm.config import CUDAGraphMode  # (not at import: the plugin's load imports this)
-
     unsupported = []
-    mode = vllm_config.compilation_config.cudagraph_mode
-    if mode is not None and mode.mixed_mode() == CUDAGraphMode.FULL:
-        unsupported.append(f"cudagraph_mode {mode.name} (FULL graphs of mixed batches; "
-                           "FULL_AND_PIECEWISE and FULL_DECODE_ONLY run)")
     if vllm_config.speculative_config is not None:
         unsupported.append("speculative decoding")
     if vllm_config.lora_config is not None:

@@ -22,6 +22,7 @@ from vllm.distributed.parallel_state import GraphCaptureContext
 from vllm.forward_context import get_forward_context
 from vllm.v1.worker.gpu import cudagraph_utils
 from vllm.v1.worker.gpu.cudagraph_utils import ModelCudaGraphManager
+from vllm.v1.worker.gpu.input_batch import InputBatch
 
 from vllm_ascend.compilation.acl_graph import (STREAM_EXHAUSTED, GraphCaptureFailed, GraphState,
                                                without_dp_sizes, capture_advice)
@@ -67,8 +68,9 @@ class _StartsCapture(torch.nn.Module):
 
 
 class NPUModelGraphManager(ModelCudaGraphManager):
-    def __init__(self, *args, state: GraphState, step_metadata, **kwargs):
+    def __init__(self, *args, state: GraphState, step_metadata, request_rows, **kwargs):
         super().__init__(*args, **kwargs)
+        self.request_rows = request_rows  # the runner's RequestRows
         self._pending = None  # (its exit stack, torch.npu.graph) of a capture not yet begun
         self.state = state
         state.wrappers.add(self)  # its graphs go with the engine's (GraphState.clear)
@@ -89,8 +91,26 @@ class NPUModelGraphManager(ModelCudaGraphManager):
         # communicator; upstream vllm-ascend swaps the class for its own around capture).
         with mock.patch.object(torch.cuda, "CUDAGraph", self._new_graph), \
                 mock.patch.object(torch.cuda, "graph", self._acl_graph), \
-                mock.patch.object(cudagraph_utils, "graph_capture", _graph_capture):
+                mock.patch.object(cudagraph_utils, "graph_capture", _graph_capture), \
+                self._with_dummy_request():
             super().capture(_StartsCapture(model, self), *args, **kwargs)
+
+    def _with_dummy_request(self):
+        """vLLM's capture builds a mixed FULL graph's batch with the graph's request count; on
+        Ascend FIA sees one request more at every replay, the dummy (worker/padding.py), so the
+        captured batch has it too, empty (FIA's shapes and host lists stay those captured)."""
+        if self.cudagraph_mode.mixed_mode() != CUDAGraphMode.FULL:
+            return contextlib.nullcontext()
+        rows = self.request_rows
+
+        class WithDummyRequest(InputBatch):
+            @classmethod
+            def make_dummy(cls, num_reqs, num_tokens, input_buffers, *args, **kwargs):
+                batch = InputBatch.make_dummy(num_reqs, num_tokens, input_buffers, *args,
+                                              **kwargs)
+                return rows.padded(batch, num_reqs + 1, scheduled=True)
+
+        return mock.patch.object(cudagraph_utils, "InputBatch", WithDummyRequest)
 
     def _capture_stream(self, desc) -> torch.cuda.Stream:
         # vLLM's asks vllm.utils.torch_utils.current_stream(), a cache that only CUDA's

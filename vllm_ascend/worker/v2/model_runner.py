@@ -1,11 +1,13 @@
 """NPUModelRunnerV2: vLLM's Model Runner V2 (vllm/v1/worker/gpu/) on an Ascend device."""
 
+import dataclasses
 import time
 
 import numpy as np
 import torch
 from vllm.compilation.monitor import set_cudagraph_capturing_enabled
 from vllm.v1.worker.gpu.attn_utils import get_shared_kv_cache_layers
+from vllm.v1.worker.gpu.input_batch import InputBatch
 from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 from vllm.v1.worker.utils import bind_kv_cache
 
@@ -30,6 +32,14 @@ class NPUModelRunnerV2(GPUModelRunner):
         super().__init__(vllm_config, device_)
         self.graph_state = GraphState()
         self.compilation_config.static_forward_context[GRAPH_STATE] = self.graph_state
+        # One request row more than vLLM's buffers, for the dummy request of a mixed FULL
+        # graph (worker/padding.py): vLLM's steps see its rows, FIA's padded batch all of them.
+        buffers = self.input_buffers
+        self.request_rows = RequestRows(
+            torch.zeros(self.max_num_reqs + 2, dtype=torch.int32, device=self.device),
+            torch.zeros(self.max_num_reqs + 1, dtype=torch.int32, device=self.device))
+        buffers.query_start_loc = self.request_rows.query_start_loc[:-1]
+        buffers.seq_lens = self.request_rows.seq_lens[:-1]
 
     def load_model(self, *args, **kwargs) -> None:
         super().load_model(*args, **kwargs)
@@ -56,7 +66,8 @@ class NPUModelRunnerV2(GPUModelRunner):
         tables = self.block_tables
         tables.slot_mappings = torch.zeros_like(tables.slot_mappings, dtype=torch.int32)
         self.cudagraph_manager = NPUModelGraphManager.replacing(
-            self.cudagraph_manager, state=self.graph_state, step_metadata=self._step_metadata)
+            self.cudagraph_manager, state=self.graph_state, step_metadata=self._step_metadata,
+            request_rows=self.request_rows)
         if not self.kv_caches:
             return
         storage = self.kv_caches[0].untyped_storage()
@@ -113,9 +124,9 @@ class NPUModelRunnerV2(GPUModelRunner):
         self.graph_state.recent_steps.append(padding)
         if not padding.pads_attention:
             return batch
-        if padding.num_reqs_padded != batch.num_reqs_after_padding:
-            raise NotImplementedError("a FULL graph of mixed batches under Model Runner V2")
         real, total = padding.num_reqs, padding.num_reqs_padded
+        if total != batch.num_reqs_after_padding:  # a mixed FULL graph: its dummy request
+            batch = self.request_rows.padded(batch, total)
         lens = np.asarray(padding.padding_query_lens, dtype=np.int32)
         starts = batch.query_start_loc_np
         starts[real + 1: total + 1] = starts[real] + np.cumsum(lens)
@@ -129,3 +140,34 @@ class NPUModelRunnerV2(GPUModelRunner):
         # As V1's runner: free this engine's graphs and the streams they hold.
         self.graph_state.release()
         super().shutdown()
+
+
+@dataclasses.dataclass
+class RequestRows:
+    """The step's request rows (cumulative query lengths, KV lengths), one more than vLLM's
+    buffers hold: vLLM's InputBuffers view all but the last."""
+    query_start_loc: torch.Tensor  # [max_num_reqs + 2]
+    seq_lens: torch.Tensor  # [max_num_reqs + 1]
+
+    def padded(self, batch: InputBatch, num_reqs: int, scheduled: bool = False) -> InputBatch:
+        """``batch`` with ``num_reqs`` request rows, the new ones empty (their query ends where
+        the batch's does, their KV length is 0); ``scheduled``: as requests of the batch (a
+        capture's dummy batch, whose attention metadata is built from them), else as padding."""
+        n = batch.num_reqs_after_padding
+        if self.seq_lens.shape[0] < num_reqs:  # (a slice past the end would drop the row)
+            raise ValueError(f"{num_reqs} request rows asked of {self.seq_lens.shape[0]}")
+        starts = np.empty(num_reqs + 1, dtype=np.int32)
+        starts[:n + 1] = batch.query_start_loc_np[:n + 1]
+        starts[n + 1:] = starts[n]
+        self.query_start_loc[n + 1:num_reqs + 1].fill_(int(starts[n]))
+        self.seq_lens[n:num_reqs].zero_()
+        upper = torch.zeros(num_reqs, dtype=batch.seq_lens_cpu_upper_bound.dtype)
+        upper[:n] = batch.seq_lens_cpu_upper_bound[:n]
+        changes = dict(num_reqs_after_padding=num_reqs, query_start_loc_np=starts,
+                       query_start_loc=self.query_start_loc[:num_reqs + 1],
+                       seq_lens=self.seq_lens[:num_reqs], seq_lens_cpu_upper_bound=upper)
+        if scheduled:
+            scheduled_tokens = np.zeros(num_reqs, dtype=batch.num_scheduled_tokens.dtype)
+            scheduled_tokens[:batch.num_reqs] = batch.num_scheduled_tokens
+            changes.update(num_reqs=num_reqs, num_scheduled_tokens=scheduled_tokens)
+        return dataclasses.replace(batch, **changes)
