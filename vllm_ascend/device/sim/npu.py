@@ -378,7 +378,8 @@ def _give_up_waiting(what: str) -> RuntimeError:
     waiting = _mine()
     for graph_ in waiting:
         _WAITING.pop(graph_, None)
-        _host_learns(dict([graph_.last_replays[1]]))  # it is over: the host saw it fail
+        stream, number = graph_.last_replays[1]
+        _host_learns({stream: number})  # it is over: the host saw it fail
         for _, event in graph_.segments:
             if event is not None:
                 event._waiting = [w for w in event._waiting if w[0] is not graph_]

@@ -10,7 +10,9 @@ attention runs (attention/graph_params.py), so this manager:
   task-group record keyed by its graph (the attention layers add their calls to it), and counts
   the graph in the engine's GraphState (streams, the start-up summary);
 * replays FullGraphs, which issue the step's task updates (from the attention metadata the
-  step built) right after each replay is launched, and count it.
+  step built) right after each replay is launched, and count it; before each replay the update
+  stream waits for the current one, so the updates never overtake the previous replay and the
+  host never waits for the device.
 """
 
 import contextlib
