@@ -150,23 +150,24 @@ class RequestRows:
     seq_lens: torch.Tensor  # [max_num_reqs + 1]
 
     def padded(self, batch: InputBatch, num_reqs: int, scheduled: bool = False) -> InputBatch:
-        """``batch`` with ``num_reqs`` request rows, the new ones empty (their query ends where
-        the batch's does, their KV length is 0); ``scheduled``: as requests of the batch (a
-        capture's dummy batch, whose attention metadata is built from them), else as padding."""
+        """``batch`` with ``num_reqs`` request rows, the new ones empty on the host (their query
+        ends where the batch's does, their KV length is 0). ``scheduled``: as requests of the
+        batch (a capture's dummy batch, whose attention metadata is built from them; its device
+        rows written too); else as padding, whose device rows the step's padding writes."""
         n = batch.num_reqs_after_padding
         if self.seq_lens.shape[0] < num_reqs:  # (a slice past the end would drop the row)
             raise ValueError(f"{num_reqs} request rows asked of {self.seq_lens.shape[0]}")
         starts = np.empty(num_reqs + 1, dtype=np.int32)
         starts[:n + 1] = batch.query_start_loc_np[:n + 1]
         starts[n + 1:] = starts[n]
-        self.query_start_loc[n + 1:num_reqs + 1].fill_(int(starts[n]))
-        self.seq_lens[n:num_reqs].zero_()
         upper = torch.zeros(num_reqs, dtype=batch.seq_lens_cpu_upper_bound.dtype)
         upper[:n] = batch.seq_lens_cpu_upper_bound[:n]
         changes = dict(num_reqs_after_padding=num_reqs, query_start_loc_np=starts,
                        query_start_loc=self.query_start_loc[:num_reqs + 1],
                        seq_lens=self.seq_lens[:num_reqs], seq_lens_cpu_upper_bound=upper)
         if scheduled:
+            self.query_start_loc[n + 1:num_reqs + 1].fill_(int(starts[n]))
+            self.seq_lens[n:num_reqs].zero_()
             scheduled_tokens = np.zeros(num_reqs, dtype=batch.num_scheduled_tokens.dtype)
             scheduled_tokens[:batch.num_reqs] = batch.num_scheduled_tokens
             changes.update(num_reqs=num_reqs, num_scheduled_tokens=scheduled_tokens)
