@@ -223,9 +223,10 @@ class SimBackend(Backend):
         return self.torch_npu.npu.streams_in_use()
 
     def v2_runner_kernels(self) -> dict:
-        from vllm_ascend.device.sim import v2_kernels
+        from vllm_ascend.device.sim import v2_kernels, v2_spec_kernels
 
-        return v2_kernels.KERNELS  # no Triton here: torch implementations of the same contracts
+        # No Triton here: torch implementations of the same contracts.
+        return {**v2_kernels.KERNELS, **v2_spec_kernels.KERNELS}
 
     def fork_unsafe_reason(self) -> str | None:
         # The simulator computes with torch's OpenMP pool; once any torch op ran in this process

@@ -1,7 +1,8 @@
 """Torch implementations of the Triton kernels vLLM's Model Runner V2 launches on the paths
 vllm-ascend runs (input preparation, block tables and slot mappings, staged writes, sampling,
 logprobs and prompt logprobs, the sampling parameters: min_p, penalties, logit bias, allowed
-tokens and min_tokens, bad words; structured output's grammar mask), for the simulator, which
+tokens and min_tokens, bad words; structured output's grammar mask; speculative decoding's, in
+v2_spec_kernels.py), for the simulator, which
 has no Triton. On a chip triton-ascend runs vLLM's own kernels, as upstream vllm-ascend does.
 Kernels of the paths it does not run are not here: worker/choice.py refuses what needs them.
 
@@ -276,7 +277,7 @@ def _gumbel_noise(seed, pos, keys, use_fp64: bool) -> torch.Tensor:
     if use_fp64:
         lo = murmur3_hash32(seed, pos, keys)
         hi = murmur3_hash32(seed, pos, keys, domain=0x9E3779B9)
-        random53 = ((hi << 32) | lo) >> 11  # int64: hi < 2**32, so this stays positive
+        random53 = (hi << 21) | (lo >> 11)  # ((hi << 32) | lo) >> 11 in uint64, < 2**53
         u = (random53.to(torch.float64) + 0.5) * 1.1102230246251565e-16
         u = torch.where(u == 1.0, u - 1.1102230246251565e-16, u)
         return -torch.log(-torch.log(u))
