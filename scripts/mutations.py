@@ -362,6 +362,45 @@ MUTATIONS = [
              "                return rows.padded(batch, num_reqs + 1, scheduled=True)",
              "                return batch",
              ("tests/e2e/test_model_runner_v2.py", "-k", "llama-FULL]")),
+    Mutation("v2-draft-kv-upper-bound", "under Model Runner V2 a draft step attends over the "
+             "KV of drafts the verify step rejected (vLLM's host upper bound)",
+             "vllm_ascend/worker/v2/drafter.py",
+             "        exact = self.input_buffers.seq_lens[:num_reqs].cpu() - step",
+             "        exact = seq_lens_cpu_upper_bound[:num_reqs]",
+             ("tests/e2e/test_model_runner_v2_spec.py", "-k", "exact_where")),
+    Mutation("v2-draft-step-not-padded", "under Model Runner V2 a FULL draft step's padding "
+             "tokens belong to no request (FIA's TND check)", "vllm_ascend/worker/v2/drafter.py",
+             "        if batch_desc.cg_mode == CUDAGraphMode.FULL and padded > num_reqs:",
+             "        if False:", ("tests/e2e/test_model_runner_v2_spec.py", "-k",
+                                    "FULL_DECODE_ONLY")),
+    Mutation("v2-draft-replays-prefill-lists", "under Model Runner V2 a draft decode step's FULL "
+             "graph re-issues the verify step's FIA lists", "vllm_ascend/worker/v2/drafter.py",
+             "            step_metadata=lambda: own.latest)",
+             "            step_metadata=lambda: target.latest)",
+             ("tests/e2e/test_model_runner_v2_spec.py", "-k", "FULL_DECODE_ONLY")),
+    Mutation("v2-plan-without-drafter-graphs", "under V2 the start-up plan and stream budget "
+             "leave out the drafter's FULL graphs", "vllm_ascend/plan.py",
+             "        drafter += len(descs.get(\"FULL\", [])) + (len(decode.get(\"FULL\", [])) "
+             "if k > 1 else 0)", "        pass",
+             ("tests/e2e/test_model_runner_v2_spec.py", "-k", "npu_one")),
+    Mutation("sim-fp64-noise-overflows", "fp64 Gumbel noise is NaN for half the hashes "
+             "(sampling with use_fp64_gumbel draws garbage)",
+             "vllm_ascend/device/sim/v2_kernels.py", "        random53 = (hi << 21) | (lo >> 11)",
+             "        random53 = ((hi << 32) | lo) >> 11",
+             ("tests/ut/test_sim_v2_spec_kernels.py",)),
+    Mutation("sim-greedy-rejection-accepts-all", "a greedy request accepts every draft",
+             "vllm_ascend/device/sim/v2_spec_kernels.py",
+             "                  else argmax == drafts) & valid",
+             "                  else argmax >= 0) & valid",
+             ("tests/ut/test_sim_v2_spec_kernels.py",)),
+    Mutation("sim-resample-keeps-rejected-draft", "a sampled request may resample the draft it "
+             "rejected", "vllm_ascend/device/sim/v2_spec_kernels.py",
+             "            residual[rejected] = float(\"-inf\")", "            pass",
+             ("tests/ut/test_sim_v2_spec_kernels.py",)),
+    Mutation("sim-draft-step-always-advances", "the last draft step advances positions and "
+             "inputs past the drafts", "vllm_ascend/device/sim/v2_spec_kernels.py",
+             "    more = step < num_speculative_steps - 1  # [1]: not the last step",
+             "    more = step >= 0", ("tests/ut/test_sim_v2_spec_kernels.py",)),
     Mutation("v2-full-step-not-padded", "under Model Runner V2 a FULL step's padding tokens "
              "belong to no request (FIA's TND check)", "vllm_ascend/worker/v2/model_runner.py",
              "        if not padding.pads_attention:", "        if True:",

@@ -81,8 +81,14 @@ def graph_plan(vllm_config, stream_budget: int) -> GraphPlan:
     graphs = {mode: len(sizes) * pieces[mode] * cases for mode, sizes in descs.items()}
     draft = getattr(spec, "draft_model_config", None) if spec is not None else None
     drafter = 0
-    if draft is not None and "PIECEWISE" in descs:  # vLLM captures drafters piecewise only
+    if draft is not None and "PIECEWISE" in descs:  # V1 captures drafters piecewise only
         drafter = len(descs["PIECEWISE"]) * (draft.get_num_layers(parallel) + 1)
+    if draft is not None and getattr(vllm_config, "use_v2_model_runner", False) and \
+            cc.cudagraph_mode.decode_mode() == CUDAGraphMode.FULL:
+        # V2's drafter (worker/v2/drafter.py): FULL graphs of its prefill (the verify step's
+        # uniform batches) and, drafting more than one token, of its decode steps (one a request)
+        decode = capture_descriptors(cc, vllm_config.scheduler_config.max_num_seqs, 1)
+        drafter += len(descs.get("FULL", [])) + (len(decode.get("FULL", [])) if k > 1 else 0)
     per_graph = streams_per_graph(parallel.tensor_parallel_size,
                                   parallel.data_parallel_size if model.is_moe else 1)
     return GraphPlan(mode=cc.cudagraph_mode.name, graphs=graphs, drafter_graphs=drafter,

@@ -196,7 +196,15 @@ def create_config(family="llama", **kwargs):
 
 
 @pytest.mark.parametrize("what,kwargs", [
-    ("speculative decoding", dict(speculative_config=speculative_config("llama", "eagle", 2))),
+    ("speculative decoding by ngram (it runs EAGLE and EAGLE-3 heads)",
+     dict(speculative_config=speculative_config("llama", "ngram", 2))),
+    ("speculative decoding in cudagraph_mode FULL", dict(
+        speculative_config=speculative_config("llama", "eagle", 2),
+        compilation_config={"cudagraph_mode": "FULL"})),
+    ("speculative decoding with block verification", dict(speculative_config={
+        **speculative_config("llama", "eagle", 2), "rejection_sample_method": "block"})),
+    ("speculative decoding with data parallelism", dict(
+        speculative_config=speculative_config("llama", "eagle", 2), data_parallel_size=2)),
     ("LoRA", dict(enable_lora=True)),
     ("pipeline parallelism", dict(pipeline_parallel_size=2)),
     ("sleep mode", dict(enable_sleep_mode=True)),

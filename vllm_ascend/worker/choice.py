@@ -43,9 +43,7 @@ def name_v1_runner() -> None:
 
 def v2_unsupported(vllm_config) -> list[str]:
     """What of this configuration vllm-ascend's Model Runner V2 does not run yet."""
-    unsupported = []
-    if vllm_config.speculative_config is not None:
-        unsupported.append("speculative decoding")
+    unsupported = _v2_speculation_unsupported(vllm_config)
     if vllm_config.lora_config is not None:
         unsupported.append("LoRA")
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
@@ -54,6 +52,35 @@ def v2_unsupported(vllm_config) -> list[str]:
         unsupported.append("sleep mode")
     if vllm_config.model_config is not None:
         unsupported += _missing_kernels(vllm_config.model_config, V2_CONFIG_KERNELS)
+    return unsupported
+
+
+V2_DRAFT_METHODS = ("eagle", "eagle3")  # V2's drafters the plugin runs (worker/v2/drafter.py)
+
+
+def _v2_speculation_unsupported(vllm_config) -> list[str]:
+    """What of the speculative decoding asked for vllm-ascend's V2 runner does not run yet."""
+    from vllm.config import CUDAGraphMode
+
+    spec = vllm_config.speculative_config
+    if spec is None:
+        return []
+    if spec.method not in V2_DRAFT_METHODS:
+        return [f"speculative decoding by {spec.method} (it runs EAGLE and EAGLE-3 heads)"]
+    unsupported = []
+    mode = vllm_config.compilation_config.cudagraph_mode
+    if mode is not None and mode.mixed_mode() == CUDAGraphMode.FULL:
+        unsupported.append("speculative decoding in cudagraph_mode FULL (mixed FULL graphs for "
+                           "the drafter's prefill; FULL_AND_PIECEWISE and FULL_DECODE_ONLY run)")
+    if vllm_config.parallel_config.data_parallel_size > 1:
+        unsupported.append("speculative decoding with data parallelism")
+    for what, given in (
+            ("block verification (rejection_sample_method 'block')",
+             spec.rejection_sample_method == "block"),
+            ("adaptive verification", spec.enable_adaptive_verification),
+            ("watermarking", getattr(vllm_config, "watermark_config", None) is not None)):
+        if given:
+            unsupported.append(f"speculative decoding with {what}")
     return unsupported
 
 

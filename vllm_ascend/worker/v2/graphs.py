@@ -13,6 +13,10 @@ attention runs (attention/graph_params.py), so this manager:
   step built) right after each replay is launched, and count it; before each replay the update
   stream waits for the current one, so the updates never overtake the previous replay and the
   host never waits for the device.
+
+NPUDraftGraphManager does the same for an EAGLE/MTP drafter's FULL graphs (vLLM's
+SpeculatorCudaGraphManager: the draft prefill, and each draft decode step), counted as the
+drafter's.
 """
 
 import contextlib
@@ -25,6 +29,8 @@ from vllm.forward_context import get_forward_context
 from vllm.v1.worker.gpu import cudagraph_utils
 from vllm.v1.worker.gpu.cudagraph_utils import ModelCudaGraphManager
 from vllm.v1.worker.gpu.input_batch import InputBatch
+from vllm.v1.worker.gpu.spec_decode.target_dependent_ar.cudagraph_utils import (
+    SpeculatorCudaGraphManager)
 
 from vllm_ascend.compilation.acl_graph import (STREAM_EXHAUSTED, GraphCaptureFailed, GraphState,
                                                without_dp_sizes, capture_advice)
@@ -69,15 +75,112 @@ class _StartsCapture(torch.nn.Module):
         return self.model(*args, **kwargs)
 
 
-class NPUModelGraphManager(ModelCudaGraphManager):
-    def __init__(self, *args, state: GraphState, step_metadata, request_rows, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.request_rows = request_rows  # the runner's RequestRows
+class AclGraphs:
+    """The ACL half of an NPU graph manager (mixed into vLLM's CUDA one): captures into
+    ``torch.npu.NPUGraph`` in the engine's pool with a FIA task-group record per graph, replays
+    that re-issue the step's FIA host lists, the counts, and freeing the graphs."""
+
+    STARTS_AT_MODEL_CALL = False  # capture from the forward function's call (as CUDA's)
+    DRAFTER = False  # whose counts its graphs go to
+
+    def _init_acl(self, state: GraphState, step_metadata) -> None:
         self._pending = None  # (its exit stack, torch.npu.graph) of a capture not yet begun
         self.state = state
         state.wrappers.add(self)  # its graphs go with the engine's (GraphState.clear)
         self.pool = state.pool  # FULL and PIECEWISE graphs share one pool, as in V1
         self.step_metadata = step_metadata  # () -> the metadata this step's attention built
+        # The engine's counts, and the drafter's share of them (as V1's wrappers count).
+        self._captured = [state.captured] + ([state.drafter_captured] if self.DRAFTER else [])
+        self._replayed = [state.replayed] + ([state.drafter_replayed] if self.DRAFTER else [])
+
+    def _acl_capture(self) -> contextlib.ExitStack:
+        """vLLM's capture loop with its CUDA parts resolved to ACL ones: the graph class, the
+        capture context, and parallel_state's graph_capture (which asserts a CUDA or XPU
+        communicator; upstream vllm-ascend swaps the class for its own around capture)."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(mock.patch.object(torch.cuda, "CUDAGraph", self._new_graph))
+        stack.enter_context(mock.patch.object(torch.cuda, "graph", self._acl_graph))
+        stack.enter_context(mock.patch.object(cudagraph_utils, "graph_capture", _graph_capture))
+        return stack
+
+    def _capture_stream(self, desc) -> torch.cuda.Stream:
+        # vLLM's asks vllm.utils.torch_utils.current_stream(), a cache that only CUDA's
+        # set_stream keeps current: the stream _graph_capture made current is the device's.
+        return torch_npu.npu.current_stream()
+
+    def _new_graph(self, *args, **kwargs) -> FullGraph:
+        return FullGraph(self._after_replay, *args, **kwargs)
+
+    def _after_replay(self, graph: FullGraph) -> None:
+        self.state.fia.update(graph, self.step_metadata())
+        for counts in self._replayed:
+            counts[FULL] += 1
+
+    @contextlib.contextmanager
+    def _acl_graph(self, graph, pool=None, stream=None, **kwargs):
+        """torch.cuda.graph's part: a capture into ``graph`` (from the model's call when
+        STARTS_AT_MODEL_CALL: ``start_pending``), recording the FIA calls it holds."""
+        self.state.fia.begin_capture(graph)
+        capture = contextlib.ExitStack()
+        self._pending = (capture, torch_npu.npu.graph(
+            graph, pool=self.state.pool if pool is None else pool, stream=stream, **kwargs))
+        try:
+            if not self.STARTS_AT_MODEL_CALL:
+                self.start_pending()
+            yield
+        except Exception as e:
+            capture.__exit__(type(e), e, e.__traceback__)
+            if STREAM_EXHAUSTED in str(e):  # the chip's (and simulator's) error code
+                raise GraphCaptureFailed(capture_advice(e, CUDAGraphMode.FULL)) from e
+            raise
+        else:
+            if self._pending is not None:
+                raise RuntimeError("a FULL capture in which the model was not called")
+            capture.close()
+            for counts in self._captured:
+                counts[FULL] += 1
+        finally:
+            self._pending = None
+            self.state.fia.end_capture()
+
+    def start_pending(self) -> None:
+        """Begin the pending capture, its DP sizes hidden from the layers while it captures (as
+        in V1's wrapper, which captures inside the model call)."""
+        if self._pending is None:
+            return
+        (capture, graph), self._pending = self._pending, None
+        capture.enter_context(graph)
+        if self.STARTS_AT_MODEL_CALL:  # (inside the forward context vLLM's loop set)
+            capture.enter_context(without_dp_sizes(get_forward_context()))
+
+    def run_fullgraph(self, desc):
+        self.state.fia.before_replay()
+        return super().run_fullgraph(desc)
+
+    def clear_graphs(self) -> None:
+        """Free the graphs now, and the streams they hold (GraphState.clear, at the end of the
+        memory profile and at shutdown): a graph's replay hook refers back to this manager."""
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self._graphs_captured = False
+
+    def release_graphs(self) -> None:
+        self.clear_graphs()
+        super().release_graphs()
+
+
+class NPUModelGraphManager(AclGraphs, ModelCudaGraphManager):
+    """The model's FULL graphs. A capture starts at the model's call, inside the forward
+    context vLLM's loop set: the context's host-side set-up (the DP ranks' sizes, checked
+    against the batch) stays out of the graph."""
+
+    STARTS_AT_MODEL_CALL = True
+
+    def __init__(self, *args, state: GraphState, step_metadata, request_rows, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.request_rows = request_rows  # the runner's RequestRows
+        self._init_acl(state, step_metadata)
 
     @classmethod
     def replacing(cls, manager: ModelCudaGraphManager, **kwargs) -> "NPUModelGraphManager":
@@ -88,13 +191,7 @@ class NPUModelGraphManager(ModelCudaGraphManager):
                    **kwargs)
 
     def capture(self, model, *args, **kwargs) -> None:
-        # vLLM's capture loop, with its CUDA parts resolved to ACL ones: the graph class, the
-        # capture context, and parallel_state's graph_capture (which asserts a CUDA or XPU
-        # communicator; upstream vllm-ascend swaps the class for its own around capture).
-        with mock.patch.object(torch.cuda, "CUDAGraph", self._new_graph), \
-                mock.patch.object(torch.cuda, "graph", self._acl_graph), \
-                mock.patch.object(cudagraph_utils, "graph_capture", _graph_capture), \
-                self._with_dummy_request():
+        with self._acl_capture(), self._with_dummy_request():
             super().capture(_StartsCapture(model, self), *args, **kwargs)
 
     def _with_dummy_request(self):
@@ -114,65 +211,23 @@ class NPUModelGraphManager(ModelCudaGraphManager):
 
         return mock.patch.object(cudagraph_utils, "InputBatch", WithDummyRequest)
 
-    def _capture_stream(self, desc) -> torch.cuda.Stream:
-        # vLLM's asks vllm.utils.torch_utils.current_stream(), a cache that only CUDA's
-        # set_stream keeps current: the stream _graph_capture made current is the device's.
-        return torch_npu.npu.current_stream()
 
-    def _new_graph(self, *args, **kwargs) -> FullGraph:
-        return FullGraph(self._after_replay, *args, **kwargs)
+class NPUDraftGraphManager(AclGraphs, SpeculatorCudaGraphManager):
+    """An EAGLE/MTP drafter's FULL graphs: its prefill (the verify step's batch) and its decode
+    steps (one token a request). A capture starts when vLLM calls the draft routine: the gathers
+    before the drafter's model call belong to the graph."""
 
-    def _after_replay(self, graph: FullGraph) -> None:
-        self.state.fia.update(graph, self.step_metadata())
-        self.state.replayed[FULL] += 1
+    DRAFTER = True
 
-    @contextlib.contextmanager
-    def _acl_graph(self, graph, pool=None, stream=None, **kwargs):
-        """torch.cuda.graph's part: a capture into ``graph`` that starts when the model is
-        called (``start_pending``) and ends here, recording the FIA calls it holds."""
-        self.state.fia.begin_capture(graph)
-        capture = contextlib.ExitStack()
-        self._pending = (capture, torch_npu.npu.graph(
-            graph, pool=self.state.pool if pool is None else pool, stream=stream, **kwargs))
-        try:
-            yield
-        except Exception as e:
-            capture.__exit__(type(e), e, e.__traceback__)
-            if STREAM_EXHAUSTED in str(e):  # the chip's (and simulator's) error code
-                raise GraphCaptureFailed(capture_advice(e, CUDAGraphMode.FULL)) from e
-            raise
-        else:
-            if self._pending is not None:
-                raise RuntimeError("a FULL capture in which the model was not called")
-            capture.close()
-            self.state.captured[FULL] += 1
-        finally:
-            self._pending = None
-            self.state.fia.end_capture()
+    def __init__(self, *args, state: GraphState, step_metadata, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._init_acl(state, step_metadata)
 
-    def start_pending(self) -> None:
-        """Begin the pending capture, inside the forward context vLLM's loop set: the context's
-        host-side set-up (the DP ranks' sizes, checked against the batch) stays out of the
-        graph, and the sizes are hidden from the layers while it captures, as in V1's wrapper,
-        which captures inside the model call."""
-        if self._pending is None:
-            return
-        (capture, graph), self._pending = self._pending, None
-        capture.enter_context(graph)
-        capture.enter_context(without_dp_sizes(get_forward_context()))
+    @classmethod
+    def replacing(cls, manager: SpeculatorCudaGraphManager, **kwargs) -> "NPUDraftGraphManager":
+        return cls(manager.vllm_config, manager.device, manager.cudagraph_mode,
+                   manager.decode_query_len, **kwargs)
 
-    def run_fullgraph(self, desc):
-        self.state.fia.before_replay()
-        return super().run_fullgraph(desc)
-
-    def clear_graphs(self) -> None:
-        """Free the graphs now, and the streams they hold (GraphState.clear, at the end of the
-        memory profile and at shutdown): a graph's replay hook refers back to this manager."""
-        for graph in self.graphs.values():
-            graph.reset()
-        self.graphs.clear()
-        self._graphs_captured = False
-
-    def release_graphs(self) -> None:
-        self.clear_graphs()
-        super().release_graphs()
+    def capture(self, *args, **kwargs) -> None:
+        with self._acl_capture():
+            super().capture(*args, **kwargs)

@@ -9,6 +9,8 @@ from vllm.compilation.monitor import set_cudagraph_capturing_enabled
 from vllm.v1.worker.gpu.attn_utils import get_shared_kv_cache_layers
 from vllm.v1.worker.gpu.input_batch import InputBatch
 from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+from vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator import (
+    TargetDependentARSpeculator)
 from vllm.v1.worker.utils import bind_kv_cache
 
 from vllm_ascend.compilation.acl_graph import GRAPH_STATE, GraphState
@@ -18,6 +20,7 @@ from vllm_ascend.ops.fused_moe import method as fused_moe
 from vllm_ascend.worker.kv_cache import npu_kv_cache_views
 from vllm_ascend.worker.model_runner import log_capture, point_torch_cuda_at_npu, step_ropes_of
 from vllm_ascend.worker.padding import decide_padding
+from vllm_ascend.worker.v2.drafter import on_npu
 from vllm_ascend.worker.v2.graphs import NPUModelGraphManager
 
 logger = get_logger(__name__)
@@ -25,13 +28,16 @@ logger = get_logger(__name__)
 
 class NPUModelRunnerV2(GPUModelRunner):
     """vLLM's V2 runner, owning what Ascend graphs need: the engine's graph state, the FULL
-    graph manager, a FULL step's padding (FIA's fake requests) and the step RoPE tables."""
+    graph manager, a FULL step's padding (FIA's fake requests), the step RoPE tables, and the
+    NPU drafter (worker/v2/drafter.py) when an EAGLE head drafts."""
 
     def __init__(self, vllm_config, device_: torch.device):
         point_torch_cuda_at_npu()
         super().__init__(vllm_config, device_)
         self.graph_state = GraphState()
         self.compilation_config.static_forward_context[GRAPH_STATE] = self.graph_state
+        if isinstance(self.speculator, TargetDependentARSpeculator):  # EAGLE, EAGLE-3 (MTP)
+            self.speculator = on_npu(self.speculator, self.graph_state)
         # One request row more than vLLM's buffers, for the dummy request of a mixed FULL
         # graph (worker/padding.py): vLLM's steps see its rows, FIA's padded batch all of them.
         buffers = self.input_buffers
