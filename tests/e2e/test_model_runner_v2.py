@@ -203,6 +203,9 @@ def create_config(family="llama", **kwargs):
         compilation_config={"cudagraph_mode": "FULL"})),
     ("speculative decoding with block verification", dict(speculative_config={
         **speculative_config("llama", "eagle", 2), "rejection_sample_method": "block"})),
+    ("speculative decoding with draft_sample_method 'probabilistic' in a mode with FULL graphs "
+     "on this device", dict(speculative_config={**speculative_config("llama", "eagle", 2),
+                                                "draft_sample_method": "probabilistic"})),
     ("speculative decoding with data parallelism", dict(
         speculative_config=speculative_config("llama", "eagle", 2), data_parallel_size=2)),
     ("LoRA", dict(enable_lora=True)),

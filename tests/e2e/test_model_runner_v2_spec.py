@@ -161,6 +161,50 @@ def test_graphs_give_v2s_eager_output_and_acceptance_to_the_bit(spec_llm):
     assert since(spec_metrics(llm), before) == eager_metrics
 
 
+def sampled(llm, prompts) -> list:
+    """Sampled requests (temperature 0.8, a seed each): their tokens."""
+    from vllm import SamplingParams
+
+    params = [SamplingParams(temperature=0.8, seed=100 + i, max_tokens=MAX_TOKENS,
+                             ignore_eos=True) for i in range(len(prompts))]
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_sampled_requests_are_verified_by_the_ratio_test_and_repeat_with_their_seed(spec_llm):
+    """Sampled requests take the rejection sampler's ratio test and resampling (its kernels:
+    tests/ut/test_sim_v2_spec_kernels.py): a fitted head's drafts are still accepted (the target
+    puts most of its mass on them), and a seed gives the same tokens again."""
+    method, k, mode, llm = spec_llm
+    prompts = prompts_of(method)
+    before = spec_metrics(llm)
+    first = sampled(llm, prompts)
+    metrics = since(spec_metrics(llm), before)
+    assert sampled(llm, prompts) == first
+    assert metrics["num_draft_tokens"] > 0, metrics
+    if method.endswith(AGREEING):
+        assert metrics["num_accepted_tokens"] > 0, metrics
+
+
+@pytest.mark.slow
+def test_the_drafters_own_distribution_drafts_and_verifies_in_piecewise():
+    """draft_sample_method "probabilistic": the drafter samples its drafts (caching its logits)
+    and the ratio test weighs them by the drafter's probabilities; seeded requests repeat. In
+    PIECEWISE (the drafter's FULL graphs refuse it on the simulator, test_model_runner_v2.py)."""
+    config = {**speculative_config("llama", "eagle-agreeing", 2),
+              "draft_sample_method": "probabilistic"}
+    with runner_v2(), engine(model_path("llama"), max_num_seqs=MAX_NUM_SEQS,
+                             disable_log_stats=False, speculative_config=config,
+                             compilation_config={"cudagraph_mode": "PIECEWISE",
+                                                 "cudagraph_capture_sizes": capture_sizes(2)}
+                             ) as llm:
+        prompts = prompts_of("eagle-agreeing")
+        before = spec_metrics(llm)
+        first = sampled(llm, prompts)
+        metrics = since(spec_metrics(llm), before)
+        assert sampled(llm, prompts) == first
+        assert metrics["num_accepted_tokens"] > 0, metrics
+
+
 def test_fitted_heads_drafts_are_accepted_as_under_v1(spec_llm):
     method, k, mode, llm = spec_llm
     if not method.endswith(AGREEING):

@@ -62,6 +62,8 @@ def _v2_speculation_unsupported(vllm_config) -> list[str]:
     """What of the speculative decoding asked for vllm-ascend's V2 runner does not run yet."""
     from vllm.config import CUDAGraphMode
 
+    from vllm_ascend import device
+
     spec = vllm_config.speculative_config
     if spec is None:
         return []
@@ -74,7 +76,13 @@ def _v2_speculation_unsupported(vllm_config) -> list[str]:
                            "the drafter's prefill; FULL_AND_PIECEWISE and FULL_DECODE_ONLY run)")
     if vllm_config.parallel_config.data_parallel_size > 1:
         unsupported.append("speculative decoding with data parallelism")
+    # The simulator's Gumbel kernel (device/sim/v2_kernels.py) reads the host, which the
+    # drafter's FULL graphs cannot hold; on a chip triton-ascend's kernel has no such read.
+    torch_sampler = bool(device.current.v2_runner_kernels())
     for what, given in (
+            ("draft_sample_method 'probabilistic' in a mode with FULL graphs on this device",
+             spec.draft_sample_method == "probabilistic" and torch_sampler and mode is not None
+             and mode.decode_mode() == CUDAGraphMode.FULL),
             ("block verification (rejection_sample_method 'block')",
              spec.rejection_sample_method == "block"),
             ("adaptive verification", spec.enable_adaptive_verification),
