@@ -387,18 +387,20 @@ def _attend_single_tokens(query, key, value, block_table, batch_rows, token_rows
         return
     if same_blocks:
         # Every request reads the same blocks (the dummy and padding requests of a capture, all
-        # on the null block): gather them once and give each request a stride-0 view of them.
-        # The per-request products below are the same, bit for bit; only the copies go (the
-        # mixed captures of vLLM's default sizes read 256 requests x up to 512 positions).
+        # on the null block): gather them once; each request's products below read them through
+        # a stride-0 batch, the same bits as a copy each (the mixed captures of vLLM's default
+        # sizes read 256 requests x up to 512 positions).
         kp, vp = _paged_kv(key, value, used[:1], length, block_size, nkv, d)
-        kf, vf = (x.float().expand(t, length, nkv, d) for x in (kp, vp))
     else:
         kp, vp = _paged_kv(key, value, used, length, block_size, nkv, d)
-        kf, vf = kp.float(), vp.float()
-    # Grouped-query attention in fp32, a batch of [g, D] x [D, L] products per KV head (faster on
-    # a CPU than bf16 SDPA at decode shapes, and the same for a request whatever else the batch
-    # holds; the chip's FIA also accumulates the softmax in fp32).
-    qf = q.view(t, nkv, num_heads // nkv, d).float()
+    # Grouped-query attention in fp32, every KV head at once: a batch of [g, D] x [D, L] products
+    # (faster on a CPU than bf16 SDPA at decode shapes, and the same for a request whatever else
+    # the batch holds; the chip's FIA also accumulates the softmax in fp32). K and V heads first:
+    # [b, nkv, L, D], b = 1 when every request reads the same blocks.
+    kf, vf = (x.permute(0, 2, 1, 3).to(torch.float32, memory_format=torch.contiguous_format)
+              for x in (kp, vp))
+    g = num_heads // nkv
+    qf = q.view(t, nkv, g, d).float()
     masked = None
     j = torch.arange(length, device=dev)
     kv_t = torch.tensor(kv_lens, device=dev)[:, None]
@@ -409,20 +411,24 @@ def _attend_single_tokens(query, key, value, block_table, batch_rows, token_rows
         masked = before if masked is None else before | masked
         # Keys before the band are not read (the chip's tiling skips them; vLLM points the
         # blocks that hold only such keys at the null block, whose values may be anything).
-        kf, vf = (torch.where(masked[:, :, None, None], 0.0, x) for x in (kf, vf))
-    heads = []
-    g = num_heads // nkv
-    for h in range(nkv):
-        scores = torch.bmm(qf[:, h], kf[:, :, h].transpose(1, 2)) * scale  # [T, g, L]
-        if masked is not None:
-            scores.masked_fill_(masked[:, None], float("-inf"))
-        if sink is None:
-            probs = scores.softmax(-1)
-        else:  # the sink's logit joins the softmax, its column dropped after
-            sinks = sink[h * g:(h + 1) * g].float().view(1, g, 1).expand(t, g, 1)
-            probs = torch.cat([scores, sinks], -1).softmax(-1)[..., :-1]
-        heads.append(torch.bmm(probs, vf[:, :, h]))  # [T, g, D]
-    o = torch.stack(heads, 1)  # [T, nkv, g, D]
+        kf, vf = (torch.where(masked[:, None, :, None], 0.0, x) for x in (kf, vf))
+
+    def products(a, b, transpose):  # per request and head: a[r, h] @ b[r or 0, h] (^T)
+        if b.shape[0] == a.shape[0]:
+            return torch.matmul(a, b.transpose(-2, -1) if transpose else b)
+        rows = [b[0, h].t() if transpose else b[0, h] for h in range(nkv)]
+        return torch.stack([torch.bmm(a[:, h], m.expand(a.shape[0], *m.shape))
+                            for h, m in enumerate(rows)], 1)
+
+    scores = products(qf, kf, True).mul_(scale)  # [T, nkv, g, L]
+    if masked is not None:
+        scores.masked_fill_(masked[:, None, None], float("-inf"))
+    if sink is None:
+        probs = scores.softmax(-1)
+    else:  # the sink's logit joins the softmax, its column dropped after
+        sinks = sink.float().view(1, nkv, g, 1).expand(t, nkv, g, 1)
+        probs = torch.cat([scores, sinks], -1).softmax(-1)[..., :-1]
+    o = products(probs, vf, False)  # [T, nkv, g, D]
     if everything:
         out.copy_(o.view(t, num_heads, d))
     else:
