@@ -85,8 +85,17 @@ MUTATIONS = [
              ("tests/ut/test_padding.py", "tests/e2e/test_full_graphs.py")),
     Mutation("rope-stale-positions", "every layer rotates with the previous step's positions",
              "vllm_ascend/worker/model_runner.py",
-             "            for rope in self.step_ropes:\n                rope.update(positions)",
-             "            pass", ("tests/e2e/test_graph_modes.py", "-k", "llama")),
+             "        for rope in ropes:\n            rope.update(kwargs[\"positions\"])",
+             "        pass", ("tests/e2e/test_graph_modes.py", "-k", "llama")),
+    Mutation("hookless-model-rope-not-filled", "a model whose class runs no hooks (Ernie 4.5: "
+             "compiled at its top level) rotates with stale RoPE rows",
+             "vllm_ascend/worker/model_runner.py",
+             "        for rope in self.ropes_filled_before_call:\n            rope.update(positions)",
+             "        pass", ("tests/e2e/test_families.py", "-k", "ernie4_5")),
+    Mutation("mtp-rope-rows-not-filled", "DeepSeek's MTP draft layer (a class that runs no "
+             "hooks) rotates with RoPE rows never gathered", "vllm_ascend/models/deepseek_mtp.py",
+             '        self._rope_rows.update(kwargs["positions"])', "        pass",
+             ("tests/e2e/test_spec_decode.py", "-k", "drafter_rotates and mtp")),
     Mutation("moe-no-renormalisation", "Qwen3-MoE's top-k weights not renormalised",
              "vllm_ascend/ops/fused_moe/router.py",
              "    if layer.renormalize:  # Qwen3-MoE's norm_topk_prob",
@@ -407,7 +416,7 @@ MUTATIONS = [
              ("tests/e2e/test_model_runner_v2.py", "-k", "llama and FULL_AND_PIECEWISE")),
     Mutation("v2-step-rope-not-filled", "under Model Runner V2 every layer rotates with stale "
              "positions", "vllm_ascend/worker/v2/model_runner.py",
-             '                    rope.update(kwargs["positions"])', "                    pass",
+             "        fill_step_ropes_before_forward(model)", "        pass",
              ("tests/e2e/test_model_runner_v2.py", "-k", "llama and FULL_AND_PIECEWISE")),
     Mutation("v2-profile-graphs-kept", "Model Runner V2's memory-profile captures keep their "
              "streams", "vllm_ascend/worker/v2/model_runner.py",

@@ -125,11 +125,15 @@ def test_batch_larger_than_the_largest_size_runs_without_graphs(graph_llm):
     assert (6, 6) in made["steps"]  # 6 tokens per step > 4: these steps run without graphs
 
 
-# What vLLM itself launches in a decode step of one request, outside the model (the simulator's
-# ledger, in eager mode; benchmarks/step_profile.py prints it): input preparation, the LM head
-# and sampling. (vLLM's own waits and copies are not asserted: under async scheduling their
-# number depends on how far the host ran ahead of the device.)
-VLLM_DECODE_LAUNCHES = 42
+# What a decode step of one request launches outside the model (the simulator's ledger;
+# benchmarks/step_profile.py prints it): vLLM's input preparation (with the plugin's slot
+# mapping and attention metadata), the LM head and sampling. (vLLM's own waits and copies are
+# not asserted: under async scheduling their number depends on how far the host ran ahead of
+# the device.)
+VLLM_DECODE_LAUNCHES = 37
+# The step's RoPE rows, gathered in the model's pre-hook (worker/model_runner.py): launched
+# before the pieces in PIECEWISE, captured into the graph in FULL.
+STEP_ROPE_LAUNCHES = 5
 
 
 def test_a_decode_step_costs_the_chip_what_its_mode_promises(graph_llm):
@@ -137,12 +141,12 @@ def test_a_decode_step_costs_the_chip_what_its_mode_promises(graph_llm):
     layers = num_layers(llm)
     if mode == "PIECEWISE":
         # The pieces replay; between them each layer's KV-cache write and FIA are launched.
-        expected = {LAUNCHES: VLLM_DECODE_LAUNCHES + 2 * layers, REPLAYS: layers + 1,
-                    UPDATES: 0, PLUGIN_SYNCS: 0}
+        expected = {LAUNCHES: VLLM_DECODE_LAUNCHES + STEP_ROPE_LAUNCHES + 2 * layers,
+                    REPLAYS: layers + 1, UPDATES: 0, PLUGIN_SYNCS: 0}
     else:
         # One replay and one task update per attention layer, nothing of the model launched on
-        # its own; the plugin never waits: the updates are ordered after the previous replay on
-        # the device (the simulator refuses an update that is not).
+        # its own (the RoPE gather included); the plugin never waits: the updates are ordered
+        # after the previous replay on the device (the simulator refuses an update that is not).
         expected = {LAUNCHES: VLLM_DECODE_LAUNCHES, REPLAYS: 1, UPDATES: layers,
                     PLUGIN_SYNCS: 0}
     cost = chip_cost_per_decode_step(llm)

@@ -164,9 +164,9 @@ def test_full_mode_replays_every_step_and_gives_a_full_batch_its_dummy_request()
 
 # What V2 launches in a decode step of one request outside the model (the simulator's ledger;
 # each of V2's Triton kernels counts as one launch, as on a chip): its input preparation, the
-# LM head and sampling. V1 launches 42 (test_graph_modes.py), the step's RoPE rows included.
+# LM head and sampling. V1 launches 37 (test_graph_modes.py).
 V2_DECODE_LAUNCHES = 24
-# The step's RoPE rows, gathered before the forward (worker/v2/model_runner.py): launched before
+# The step's RoPE rows, gathered in the model's pre-hook (worker/model_runner.py): launched before
 # the pieces in PIECEWISE, captured into the graph in FULL (the model's pre-hook runs inside it).
 STEP_ROPE_LAUNCHES = 4
 

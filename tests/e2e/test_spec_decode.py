@@ -154,6 +154,26 @@ def test_greedy_output_equals_non_speculative_with_graph_replays(spec_llm):
         assert 3 * (k + 1) not in sizes and (3 * (k + 1), 3) in verify_steps, (sizes, made)
 
 
+def _drafter_rope_rows(worker) -> list[bool]:
+    """Whether each step RoPE buffer of the worker's draft model holds gathered rows (row 0:
+    cos of a position, never all zero once filled; the buffers start as zeros)."""
+    from vllm_ascend.worker.model_runner import step_ropes_of
+
+    model = getattr(getattr(worker.model_runner, "drafter", None), "model", None)
+    return [bool(rope.cos[0, 0].abs().sum() > 0) for rope in step_ropes_of(model)]
+
+
+def test_the_drafter_rotates_with_the_rows_of_its_positions(spec_llm):
+    # DeepSeek's MTP class is compiled at its top level by vLLM, so it runs no forward hooks:
+    # its own call fills its rows (models/deepseek_mtp.py), where a hook would never have.
+    family, method, k, mode, llm = spec_llm
+    vllm_greedy(llm, PROMPTS[:1], 4)
+    filled = llm.collective_rpc(_drafter_rope_rows)[0]
+    if not filled:
+        pytest.skip("its drafter reads no step RoPE rows (vLLM's own rotary per layer)")
+    assert all(filled), filled
+
+
 def test_capture_sizes_breaking_the_k_plus_1_rule_fail_at_start_with_the_fix():
     with pytest.raises(Exception) as failure:
         with engine(model_path("llama"), speculative_config=speculative_config("llama", "ngram", 3),

@@ -6,10 +6,10 @@ from vllm_ascend.ops.qkv import StepRope, split_qkv_norm_rope
 
 
 def attach_step_rope(model: torch.nn.Module, vllm_config, of_type: type = torch.nn.Module,
-                     half_layout: bool = False) -> None:
+                     half_layout: bool = False) -> StepRope:
     """Give the model one set of step cos/sin buffers, made from its rotary table, which all its
     attention layers (the modules ``of_type`` with a ``rotary_emb``) share (``module.step_rope``;
-    the runner fills it before each forward). ``half_layout``: see StepRope.attach."""
+    the runner fills it before each forward; returned). ``half_layout``: see StepRope.attach."""
     max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
     step_rope = StepRope()
     for module in model.modules():
@@ -17,6 +17,7 @@ def attach_step_rope(model: torch.nn.Module, vllm_config, of_type: type = torch.
         if isinstance(module, of_type) and rope is not None and hasattr(rope, "cos_sin_cache"):
             step_rope.attach(rope, max_tokens, vllm_config.model_config.dtype, half_layout)
             module.step_rope = step_rope
+    return step_rope
 
 
 def fused_attention_forward(attn, positions: torch.Tensor, hidden_states: torch.Tensor,

@@ -46,6 +46,13 @@ class StepRope:
             self.sin = torch.zeros_like(self.cos)
         self.cache, self.is_neox = cache, is_neox
 
+    def reserve(self, max_num_tokens: int) -> None:
+        """Room for ``max_num_tokens`` rows: an engine reusing the StepRope an earlier engine
+        left on vLLM's cached rotary module may run larger forwards (its dummy runs included)."""
+        if self.cos is not None and self.cos.shape[1] < max_num_tokens:
+            self.cos = self.cos.new_zeros(1, max_num_tokens, 1, self.cos.shape[-1])
+            self.sin = torch.zeros_like(self.cos)
+
     def update(self, positions: torch.Tensor) -> None:
         if self.cache is None:
             return

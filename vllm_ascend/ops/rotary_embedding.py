@@ -59,6 +59,8 @@ def share_step_ropes(model: torch.nn.Module, max_num_tokens: int, dtype: torch.d
     runner fills it before each forward), reusing one of ``existing`` on the same table (a model
     file's). Then every family's layers read the rows gathered once per step, with or without a
     model file."""
+    for rope in existing:
+        rope.reserve(max_num_tokens)
     by_table = {(id(s.cache), s.is_neox): s for s in existing}
     for module in model.modules():
         if isinstance(module, AscendRope) and module.takes_fused_sizes() and \

@@ -99,6 +99,26 @@ def step_ropes_of(model) -> list[StepRope]:
                  if isinstance(getattr(m, "step_rope", None), StepRope)}.values())
 
 
+def fill_step_ropes_before_forward(model) -> list[StepRope]:
+    """Gather the RoPE rows of each forward's positions once, for every layer to read: in a
+    hook of the model's call, so that a FULL graph captures the gather and each replay runs it
+    on the device (no launches outside the graph). Returns the ropes no hook can fill: a model
+    whose class replaces nn.Module's call (vLLM's support_torch_compile on the top-level class,
+    as Ernie 4.5's) never runs its hooks, and its caller must fill them."""
+    ropes = step_ropes_of(model)
+    if getattr(model, "fills_step_ropes", False):  # a model file that fills them in its call
+        return []
+    if not ropes or type(model).__call__ is not torch.nn.Module.__call__:
+        return ropes
+
+    def fill_step_ropes(_module, _args, kwargs):
+        for rope in ropes:
+            rope.update(kwargs["positions"])
+
+    model.register_forward_pre_hook(fill_step_ropes, with_kwargs=True)
+    return []
+
+
 class NPUModelRunner(GPUModelRunner):
     """vLLM's runner, owning what Ascend graphs need: the step's padding (FIA's fake and dummy
     requests), the engine's graph state, and its release at shutdown."""
@@ -109,7 +129,7 @@ class NPUModelRunner(GPUModelRunner):
         self.graph_state = GraphState()
         self.compilation_config.static_forward_context[GRAPH_STATE] = self.graph_state
         self.padding: StepPadding | None = None  # the current step's
-        self.step_ropes: list[StepRope] = []
+        self.ropes_filled_before_call: list[StepRope] = []
         # One more request row than vLLM's, for the dummy request of a full mixed FULL batch.
         self.query_start_loc = self._make_buffer(self.max_num_reqs + 2, dtype=torch.int32)
         self.seq_lens = torch.zeros(self.max_num_reqs + 1, dtype=torch.int32,
@@ -138,15 +158,13 @@ class NPUModelRunner(GPUModelRunner):
         if self.speculative_config is None:
             share_step_ropes(model, self.scheduler_config.max_num_batched_tokens,
                              self.model_config.dtype, step_ropes_of(model))
-        self.step_ropes = step_ropes_of(model)
+        self.ropes_filled_before_call = fill_step_ropes_before_forward(model)
         fused_moe.log_layout(self.get_model())
-        draft_ropes = step_ropes_of(getattr(drafter, "model", None))
-        if draft_ropes:  # a draft model of our families: vLLM's proposer calls it directly
-            def fill_draft_ropes(_module, _args, kwargs):
-                for rope in draft_ropes:
-                    rope.update(kwargs["positions"])
-
-            drafter.model.register_forward_pre_hook(fill_draft_ropes, with_kwargs=True)
+        # A draft model of our families: vLLM's proposer calls it directly.
+        if fill_step_ropes_before_forward(getattr(drafter, "model", None)):
+            raise NotImplementedError(f"vllm-ascend cannot fill the RoPE rows of the draft "
+                                      f"model {type(drafter.model).__name__}: its class is "
+                                      "compiled at the top level, which runs no hooks")
 
     def get_model(self):
         # Upstream unwraps only its own wrapper types.
@@ -292,10 +310,9 @@ class NPUModelRunner(GPUModelRunner):
 
     def _model_forward(self, input_ids=None, positions=None, intermediate_tensors=None,
                        inputs_embeds=None, **model_kwargs):
-        # Gather RoPE cos/sin once per step, outside any graph, for every layer to read.
-        if positions is not None:
-            for rope in self.step_ropes:
-                rope.update(positions)
+        # The RoPE rows of a model that runs no hooks, gathered outside any graph.
+        for rope in self.ropes_filled_before_call:
+            rope.update(positions)
         return super()._model_forward(input_ids, positions, intermediate_tensors,
                                       inputs_embeds, **model_kwargs)
 

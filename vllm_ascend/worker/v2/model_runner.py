@@ -18,7 +18,8 @@ from vllm_ascend import device
 from vllm_ascend.logger import get_logger
 from vllm_ascend.ops.fused_moe import method as fused_moe
 from vllm_ascend.worker.kv_cache import npu_kv_cache_views
-from vllm_ascend.worker.model_runner import log_capture, point_torch_cuda_at_npu, step_ropes_of
+from vllm_ascend.worker.model_runner import (fill_step_ropes_before_forward, log_capture,
+                                             point_torch_cuda_at_npu)
 from vllm_ascend.worker.padding import decide_padding
 from vllm_ascend.worker.v2.drafter import on_npu
 from vllm_ascend.worker.v2.graphs import NPUModelGraphManager
@@ -50,16 +51,13 @@ class NPUModelRunnerV2(GPUModelRunner):
     def load_model(self, *args, **kwargs) -> None:
         super().load_model(*args, **kwargs)
         model = self.get_model()
-        ropes = step_ropes_of(model)
-        if ropes:
-            # The RoPE rows of the step's positions, gathered once before each forward for every
-            # layer to read, as V1's _model_forward does (inside a FULL graph: V2 calls the model
-            # only to capture it, and each replay gathers them again).
-            def fill_step_ropes(_module, _args, kwargs):
-                for rope in ropes:
-                    rope.update(kwargs["positions"])
-
-            model.register_forward_pre_hook(fill_step_ropes, with_kwargs=True)
+        # The RoPE rows of the step's positions, gathered in the model's call as under V1
+        # (inside a FULL graph: V2 calls the model only to capture it, each replay gathers).
+        if fill_step_ropes_before_forward(model):
+            raise NotImplementedError(
+                f"{type(model).__name__} runs no hooks (vLLM compiles its class at the top "
+                "level), so Model Runner V2 on Ascend cannot gather its RoPE rows: set "
+                "VLLM_USE_V2_MODEL_RUNNER=0 (V1 gathers them before the call)")
         fused_moe.log_layout(model)
 
     def initialize_kv_cache(self, kv_cache_config, *args, **kwargs) -> None:
