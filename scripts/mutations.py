@@ -90,7 +90,8 @@ MUTATIONS = [
     Mutation("hookless-model-rope-not-filled", "a model whose class runs no hooks (Ernie 4.5: "
              "compiled at its top level) rotates with stale RoPE rows",
              "vllm_ascend/worker/model_runner.py",
-             "        for rope in self.ropes_filled_before_call:\n            rope.update(positions)",
+             "        for rope in self.ropes_filled_before_call:\n"
+             "            rope.update(positions)",
              "        pass", ("tests/e2e/test_families.py", "-k", "ernie4_5")),
     Mutation("mtp-rope-rows-not-filled", "DeepSeek's MTP draft layer (a class that runs no "
              "hooks) rotates with RoPE rows never gathered", "vllm_ascend/models/deepseek_mtp.py",
