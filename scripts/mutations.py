@@ -276,8 +276,8 @@ MUTATIONS = [
              ("tests/ut/test_moe.py",)),
     Mutation("simulated-sinks-ignored-in-decode",
              "the simulator's FIA v2 drops the sinks of one-token queries (decode)",
-             "vllm_ascend/device/sim/ops.py", "        if sink is None:\n            probs = "
-             "scores.softmax(-1)", "        if True:\n            probs = scores.softmax(-1)",
+             "vllm_ascend/device/sim/ops.py", "    if sink is None:\n        probs = "
+             "scores.softmax(-1)", "    if True:\n        probs = scores.softmax(-1)",
              ("tests/ut/test_sim_fia.py",)),
     Mutation("mla-later-context-chunks-dropped",
              "a long prompt's MLA prefill attends to its first context chunk only",
@@ -417,7 +417,8 @@ MUTATIONS = [
              ("tests/e2e/test_model_runner_v2.py", "-k", "llama and FULL_AND_PIECEWISE")),
     Mutation("v2-step-rope-not-filled", "under Model Runner V2 every layer rotates with stale "
              "positions", "vllm_ascend/worker/v2/model_runner.py",
-             "        fill_step_ropes_before_forward(model)", "        pass",
+             "        if fill_step_ropes_before_forward(model):",
+             "        if fill_step_ropes_before_forward(None):",
              ("tests/e2e/test_model_runner_v2.py", "-k", "llama and FULL_AND_PIECEWISE")),
     Mutation("v2-profile-graphs-kept", "Model Runner V2's memory-profile captures keep their "
              "streams", "vllm_ascend/worker/v2/model_runner.py",
