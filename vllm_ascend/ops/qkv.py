@@ -1,9 +1,9 @@
 """QKV split + q/k RMSNorm + RoPE as one fused op, with cos/sin gathered once per step.
 
-A model's ``StepRope`` holds static cos/sin buffers that its attention layers share. The runner
-fills them from the step's positions before the forward (outside any graph), so every layer
-reads the same gathered rows instead of gathering per layer, and graphs read them at their
-captured address.
+A model's ``StepRope`` holds static cos/sin buffers that its attention layers share. A pre-hook
+of the model's call fills them from the forward's positions (worker/model_runner.py; inside a
+FULL graph's capture, so each replay gathers them again), so every layer reads the same gathered
+rows instead of gathering per layer, and graphs read them at their captured address.
 """
 
 import torch
