@@ -316,6 +316,12 @@ MUTATIONS = [
              "row differently by row count, so a padded graph step is not the eager step",
              "vllm_ascend/device/sim/matmul.py", "        rows = min(start, LAST_BLOCK)",
              "        rows = n", ("tests/ut/test_sim_matmul.py",)),
+    Mutation("simulated-matmul-one-row-unpadded",
+             "the simulator's one-row bf16 product runs torch's one-row kernel: on AVX-512-BF16 "
+             "its bits differ from the same row among others, so a padded graph step is not the "
+             "eager step",
+             "vllm_ascend/device/sim/matmul.py", "            and a.shape[0] == 1)",
+             "            and a.shape[0] == 0)", ("tests/ut/test_sim_matmul.py",)),
     Mutation("custom-ops-registered-in-import-kernels",
              "the CustomOp overrides register from Platform.import_kernels, which vLLM's "
              "layernorm import calls half-done: an EAGLE-3 head fails to load (circular import)",

@@ -11,9 +11,13 @@ weight and is faster there (1 row: 0.37 ms vs 1.40 ms for the same product).
 
 Batch invariance is kept, so a graph's padded batch computes each real row exactly as the eager
 step does. torch's bf16 kernel does not give a row the same bits whatever the other rows on
-every CPU (on an AVX-512-BF16 EPYC, one row of a [1, 1536] x [1536, 576] product differs from
-the same row among eight: a vector kernel for one row), so products of fewer than 9 rows run it
-padded to 8 rows, one row count. Nor does MKL's float32 kernel: on an AVX-512 Xeon with 2
+every CPU: on an AVX-512-BF16 EPYC, one row of a [1, 1536] x [1536, 576] product differs from
+the same row among eight (a vector kernel for one row), while 2 to 8 rows give each row the
+same bits (tests/ut/test_sim_matmul.py checks every row count from 1 to 8). So a product of one
+row runs padded to two, which costs what one row costs (the weights are read once either way;
+eight rows cost about 12 % more on SmolLM2's projections, which was a batch-1 decode step's
+1.8 ms when every small product ran padded to 8). Nor does MKL's float32 kernel keep a row's
+bits: on an AVX-512 Xeon with 2
 threads, a row of a [m, 1536] x [1536, 576] product has other bits for m <= 192 than for m >= 208
 (it splits the sum differently by row count). What every CPU measured keeps is one call's shape:
 a row's bits depend on neither the other rows' values nor its place among them
@@ -39,7 +43,7 @@ in that process, and call the originals for every other dtype.
 import torch
 
 FP32_FROM_ROWS = 9
-SMALL_ROWS = FP32_FROM_ROWS - 1  # fewer rows run torch's kernel padded to this many
+ONE_ROW_PADDED_TO = 2  # a one-row product runs torch's kernel on this many rows
 FIRST_BLOCK, LAST_BLOCK = 16, 512  # the float32 product's row blocks: 16, 16, 32, ..., 512
 _LOW = (torch.bfloat16, torch.float16)
 _ORIGINAL: dict = {}
@@ -93,20 +97,20 @@ def _padded_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _small(a: torch.Tensor, b: torch.Tensor) -> bool:
+def _one_row(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (a.dtype in _LOW and a.dtype == b.dtype and a.dim() == 2 and b.dim() == 2
-            and 0 < a.shape[0] < SMALL_ROWS)
+            and a.shape[0] == 1)
 
 
 def _padded_rows(a: torch.Tensor) -> torch.Tensor:
-    """a with zero rows appended up to SMALL_ROWS: torch's kernel then runs one row count."""
-    padded = a.new_zeros(SMALL_ROWS, a.shape[1])
-    padded[: a.shape[0]].copy_(a)
+    """a's one row and zero rows up to ONE_ROW_PADDED_TO: torch's kernel for several rows."""
+    padded = a.new_zeros(ONE_ROW_PADDED_TO, a.shape[1])
+    padded[:1].copy_(a)
     return padded
 
 
 def _mm(keyset, a, b):
-    if _small(a, b):
+    if _one_row(a, b):
         return _ORIGINAL["mm"].call_boxed(keyset, _padded_rows(a), b)[: a.shape[0]]
     if not _fast(a, b):
         return _ORIGINAL["mm"].call_boxed(keyset, a, b)
@@ -114,7 +118,7 @@ def _mm(keyset, a, b):
 
 
 def _mm_out(keyset, a, b, *, out):
-    if _small(a, b):
+    if _one_row(a, b):
         return out.copy_(_mm(keyset, a, b))
     if not _fast(a, b):
         return _ORIGINAL["mm.out"].call_boxed(keyset, a, b, out=out)
@@ -131,7 +135,7 @@ def _addmm_fp32(bias, a, b, beta, alpha) -> torch.Tensor:
 
 
 def _addmm(keyset, bias, a, b, *, beta=1, alpha=1):
-    if _small(a, b) and (bias.dim() < 2 or bias.shape[0] == 1):  # a bias row, broadcast
+    if _one_row(a, b) and (bias.dim() < 2 or bias.shape[0] == 1):  # a bias row, broadcast
         return _ORIGINAL["addmm"].call_boxed(keyset, bias, _padded_rows(a), b, beta=beta,
                                              alpha=alpha)[: a.shape[0]]
     if not _fast(a, b) or bias.dtype != a.dtype:
@@ -140,7 +144,7 @@ def _addmm(keyset, bias, a, b, *, beta=1, alpha=1):
 
 
 def _addmm_out(keyset, bias, a, b, *, beta=1, alpha=1, out):
-    if _small(a, b) and (bias.dim() < 2 or bias.shape[0] == 1):
+    if _one_row(a, b) and (bias.dim() < 2 or bias.shape[0] == 1):
         return out.copy_(_addmm(keyset, bias, a, b, beta=beta, alpha=alpha))
     if not _fast(a, b) or bias.dtype != a.dtype:
         return _ORIGINAL["addmm.out"].call_boxed(keyset, bias, a, b, beta=beta, alpha=alpha,
