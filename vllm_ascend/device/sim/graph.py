@@ -39,6 +39,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from vllm_ascend.device.sim import acl as _acl
 from vllm_ascend.device.sim import ledger as _ledger
 from vllm_ascend.device.sim import ops as _ops
+from vllm_ascend.device.sim import trace as _trace
 
 STREAM_EXHAUSTED_CODE = 207008
 _RECORDED_NAMESPACES = {"aten", "prims", "ascend_sim"}
@@ -700,7 +701,7 @@ class SimGraph:
                                   if isinstance(a, torch.ScriptObject) and
                                   "ProcessGroup" in str(a._type()))
                 elif kind == "mutate":
-                    calls.append((func, args, kwargs, group))
+                    calls.append((_kernel_of(func, func), args, kwargs, group))
                 else:
                     calls.append(self._compute_call(func, args, kwargs,
                                                     [real(o) for o in outs], group))
@@ -731,11 +732,13 @@ class SimGraph:
             kw.update(zip(names, targets))
             return (overload._op, args, kw, group)
 
+        compute = _kernel_of(func, func._op)
+
         def run_then_copy(*a, **kw):
-            for t, r in zip(targets, _tensors(func._op(*a, **kw))):
+            for t, r in zip(targets, _tensors(compute(*a, **kw))):
                 t.copy_(r)
 
-        run_then_copy.func = func
+        run_then_copy.func, run_then_copy.kernel = func, compute
         return (run_then_copy, args, kwargs, group)
 
     # -- task updates -------------------------------------------------------------------------
@@ -744,7 +747,7 @@ class SimGraph:
         it (the node runs with the new host arguments from then on). Tensor arguments must be
         the captured ones (same address and shape)."""
         found = [(s, i) for s, i in self._group_calls.get(group, ())
-                 if self.segments[s][0][i][0] is func]
+                 if _DIRECT.get(self.segments[s][0][i][0], self.segments[s][0][i][0]) is func]
         if len(found) != 1:
             raise RuntimeError(f"graph_task_update: task group {group} holds {len(found)} "
                                f"{func} tasks, not 1: the update must re-issue the captured op")
@@ -774,15 +777,21 @@ class SimGraph:
         if _acl.any_unmapped():  # some device memory sleeps
             self._check_mapped(start)
         ctx = torch.inference_mode() if self._inference else contextlib.nullcontext()
+        counting = _ledger.is_open()
         with ctx, _ledger.replaying():
             for s in range(start, len(self.segments)):
                 calls, wait = self.segments[s]
                 for fn, args, kwargs, _ in calls:
                     try:
-                        fn(*args, **kwargs)
+                        if counting and _op_called(fn) is not None:
+                            with _ledger.replayed_kernel(_op_called(fn)):
+                                fn(*args, **kwargs)
+                        else:
+                            fn(*args, **kwargs)
                     except Exception as e:  # the op's own error, saying which replayed op
-                        e.add_note(f"while replaying {getattr(fn, 'func', fn)} with "
-                                   f"{_describe(args)} {_describe(kwargs)}")
+                        op = _DIRECT.get(fn, getattr(fn, "func", fn))
+                        e.add_note(f"while replaying {op} with {_describe(args)} "
+                                   f"{_describe(kwargs)}")
                         raise
                 if wait is not None and not wait.consume_for(self, s + 1):
                     return s + 1
@@ -821,6 +830,27 @@ class SimGraph:
         except Exception:
             pass
 
+
+
+# A replayed simulator kernel -> its op: a replay calls the kernel's Python function itself (the
+# dispatcher's boxing of FIA's twenty arguments cost more than a decode's attention).
+_DIRECT: dict = {}
+
+
+def _kernel_of(func, otherwise):
+    """What a replay calls for ``func``: an ascend_sim op's Python kernel, else ``otherwise``."""
+    if func.namespace != "ascend_sim":
+        return otherwise
+    overload = func._overloadname
+    name = func._schema.name.split("::")[1] + ("" if overload == "default" else f".{overload}")
+    fn = _trace.KERNELS[name]
+    _DIRECT[fn] = func
+    return fn
+
+
+def _op_called(fn):
+    """The ascend_sim op a prepared call runs without the dispatcher, if any (for the ledger)."""
+    return _DIRECT.get(getattr(fn, "kernel", fn))
 
 
 def _describe(tree) -> str:

@@ -84,6 +84,22 @@ class one_kernel:
         _replaying.kernel -= 1
 
 
+def is_open() -> bool:
+    return _active is not None
+
+
+class replayed_kernel(one_kernel):
+    """Around a simulated kernel a graph replay calls without the dispatcher: one replayed op,
+    under its op's name; the host ops that implement it are not counted."""
+
+    def __init__(self, func):
+        self.name = func._schema.name
+
+    def __enter__(self):
+        _active.replayed_ops[self.name] += 1
+        super().__enter__()
+
+
 class Ledger:
     """``with Ledger() as ledger:`` ... ``ledger.counts``: the rows above, counted meanwhile."""
 

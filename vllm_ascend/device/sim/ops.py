@@ -402,11 +402,12 @@ def _attend_single_tokens(query, key, value, block_table, batch_rows, token_rows
     g = num_heads // nkv
     qf = q.view(t, nkv, g, d).float()
     masked = None
-    j = torch.arange(length, device=dev)
-    kv_t = torch.tensor(kv_lens, device=dev)[:, None]
-    if min(kv_lens) != length:
-        masked = j >= kv_t
-    if band is not None and length - 1 - band[0] > 0:
+    short, banded = min(kv_lens) != length, band is not None and length - 1 - band[0] > 0
+    if short or banded:  # (a decode batch of equal lengths and no band builds no mask)
+        j = torch.arange(length, device=dev)
+        kv_t = torch.tensor(kv_lens, device=dev)[:, None]
+        masked = j >= kv_t if short else None
+    if banded:
         before = j < kv_t - 1 - band[0]
         masked = before if masked is None else before | masked
         # Keys before the band are not read (the chip's tiling skips them; vLLM points the
@@ -414,8 +415,10 @@ def _attend_single_tokens(query, key, value, block_table, batch_rows, token_rows
         kf, vf = (torch.where(masked[:, None, :, None], 0.0, x) for x in (kf, vf))
 
     def products(a, b, transpose):  # per request and head: a[r, h] @ b[r or 0, h] (^T)
-        if b.shape[0] == a.shape[0]:
-            return torch.matmul(a, b.transpose(-2, -1) if transpose else b)
+        if b.shape[0] == a.shape[0]:  # one bmm over (request, head): matmul's own kernel
+            flat = b.view(-1, *b.shape[2:])
+            out = torch.bmm(a.view(-1, *a.shape[2:]), flat.transpose(1, 2) if transpose else flat)
+            return out.view(*a.shape[:3], out.shape[-1])
         rows = [b[0, h].t() if transpose else b[0, h] for h in range(nkv)]
         return torch.stack([torch.bmm(a[:, h], m.expand(a.shape[0], *m.shape))
                             for h, m in enumerate(rows)], 1)
@@ -427,7 +430,7 @@ def _attend_single_tokens(query, key, value, block_table, batch_rows, token_rows
         probs = scores.softmax(-1)
     else:  # the sink's logit joins the softmax, its column dropped after
         sinks = sink.float().view(1, nkv, g, 1).expand(t, nkv, g, 1)
-        probs = torch.cat([scores, sinks], -1).softmax(-1)[..., :-1]
+        probs = torch.cat([scores, sinks], -1).softmax(-1)[..., :-1].contiguous()
     o = products(probs, vf, False)  # [T, nkv, g, D]
     if everything:
         out.copy_(o.view(t, num_heads, d))

@@ -81,6 +81,11 @@ def traced(name: str, fn):
     return call
 
 
+# "name" or "name.overload" of each ascend_sim op -> its CPU kernel: a graph replay calls it
+# without the dispatcher (sim/graph.py), as a captured task runs without its host launch.
+KERNELS: dict = {}
+
+
 def kernel(name: str, fn):
     """An operator's implementation, logging the calls no Python call site logged: a compiled
     piece's."""
@@ -91,6 +96,7 @@ def kernel(name: str, fn):
             _log(name, args, kwargs, where="graph")
         return fn(*args, **kwargs)
 
+    KERNELS[name] = call
     return call
 
 
