@@ -14,11 +14,10 @@ step does. torch's bf16 kernel does not give a row the same bits whatever the ot
 every CPU: on an AVX-512-BF16 EPYC, one row of a [1, 1536] x [1536, 576] product differs from
 the same row among eight (a vector kernel for one row), while 2 to 8 rows give each row the
 same bits (tests/ut/test_sim_matmul.py checks every row count from 1 to 8). So a product of one
-row runs padded to two, which costs what one row costs (the weights are read once either way;
-eight rows cost about 12 % more on SmolLM2's projections, which was a batch-1 decode step's
-1.8 ms when every small product ran padded to 8). Nor does MKL's float32 kernel keep a row's
-bits: on an AVX-512 Xeon with 2
-threads, a row of a [m, 1536] x [1536, 576] product has other bits for m <= 192 than for m >= 208
+row runs as two, the row repeated, which costs what one row costs: the weights are read once
+either way (padding every small product to 8 rows cost a batch-1 SmolLM2 step 1.8 ms). Nor
+does MKL's float32 kernel keep a row's bits: on an AVX-512 Xeon with 2 threads, a row of a
+[m, 1536] x [1536, 576] product has other bits for m <= 192 than for m >= 208
 (it splits the sum differently by row count). What every CPU measured keeps is one call's shape:
 a row's bits depend on neither the other rows' values nor its place among them
 (tests/ut/test_sim_matmul.py). So the float32 product runs in row blocks whose bounds are fixed
@@ -103,10 +102,9 @@ def _one_row(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _padded_rows(a: torch.Tensor) -> torch.Tensor:
-    """a's one row and zero rows up to ONE_ROW_PADDED_TO: torch's kernel for several rows."""
-    padded = a.new_zeros(ONE_ROW_PADDED_TO, a.shape[1])
-    padded[:1].copy_(a)
-    return padded
+    """a's one row, repeated to ONE_ROW_PADDED_TO rows (a view): torch's kernel for several
+    rows, which gives row 0 the same bits whatever the others hold."""
+    return a.expand(ONE_ROW_PADDED_TO, -1)
 
 
 def _mm(keyset, a, b):
