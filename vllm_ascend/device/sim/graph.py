@@ -722,6 +722,13 @@ class SimGraph:
         """A prepared call that recomputes ``func`` into ``targets`` (its captured outputs)."""
         if func in _COPIES:
             return (targets[0].copy_, (args[0],), {}, group)
+        into = _writer_of(func)
+        if into is not None:
+            def write_into(*a, **kw):
+                into(targets, *a, **kw)
+
+            write_into.func, write_into.kernel = func, into
+            return (write_into, args, kwargs, group)
         fast = _binding_with_out(func, args, kwargs, targets)
         if fast is not None:
             return (fast, args, dict(kwargs, out=targets[0]), group)
@@ -846,6 +853,16 @@ def _kernel_of(func, otherwise):
     fn = _trace.KERNELS[name]
     _DIRECT[fn] = func
     return fn
+
+
+def _writer_of(func):
+    """An ascend_sim op's kernel writing into given outputs (ops.REPLAY_INTO), if it has one."""
+    if func.namespace != "ascend_sim" or func._overloadname != "default":
+        return None
+    into = _ops.REPLAY_INTO.get(func._schema.name.split("::")[1])
+    if into is not None:
+        _DIRECT[into] = func
+    return into
 
 
 def _op_called(fn):

@@ -620,18 +620,22 @@ def _scatter_impl(key, value, key_cache, value_cache, slot_mapping, *, cache_mod
     if slot_mapping.shape[0] != key.shape[0]:
         raise _scatter_error(TILING_ERROR, f"slot_mapping has {slot_mapping.shape[0]} slots for "
                              f"{key.shape[0]} tokens")
-    slots = slot_mapping.long()
     num_blocks, block_size = key_cache.shape[:2]
-    if not slots.numel():
+    # The checks on a host list (fewer ops than on the tensor): the kernel's own read, which a
+    # capture's refusal of the product's .tolist() (sim/graph.py) does not apply to.
+    values = torch._C.TensorBase.tolist(slot_mapping)
+    if not values:
         return
-    low, high = (int(v) for v in torch.aminmax(slots))
+    slots = slot_mapping.long()
+    low, high = min(values), max(values)
     if low < 0:  # -1 marks a padded token: nothing is written for it
         keep = slots >= 0
         slots, key, value = slots[keep], key[keep], value[keep]
+        values = [v for v in values if v >= 0]
     if high >= num_blocks * block_size:
         raise _scatter_error(TILING_ERROR, f"slot {high} is out of range "
                              f"[0, {num_blocks * block_size - 1}]")
-    if slots.numel() > 1 and slots.unique().numel() != slots.numel():
+    if len(set(values)) != len(values):
         raise _scatter_error(TILING_ERROR, "slot_mapping values must be unique")
     # Contiguous [blocks, block_size, heads, head_size] caches: a slot is a row of the flat view.
     key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slots, key)
@@ -685,31 +689,64 @@ def _check_norm(op, x, gamma):
     # Upstream passes strided q/k head views (Qwen3's q_norm): no contiguity rule here.
 
 
+def _rms_into(x, gamma, eps, y, rstd):
+    """_rms written into y and rstd: the same arithmetic in the same order, in place."""
+    xf = x.to(torch.float32, copy=True)
+    torch.rsqrt(xf.pow(2).mean(-1, keepdim=True).add_(eps), out=rstd)
+    y.copy_(xf.mul_(rstd).mul_(gamma.float()))
+
+
 def _rms_norm_impl(x, gamma, epsilon=1e-6):
     _check_norm("npu_rms_norm", x, gamma)
     return _rms(x, gamma, epsilon)
 
 
-def _add_rms_norm_impl(x1, x2, gamma, epsilon=1e-6):
+def _rms_norm_into(outs, x, gamma, epsilon=1e-6):
+    _check_norm("npu_rms_norm", x, gamma)
+    _rms_into(x, gamma, epsilon, *outs)
+
+
+def _check_add_rms_norm(x1, x2, gamma):
     _check_norm("npu_add_rms_norm", x1, gamma)
     if x2.shape != x1.shape or x2.dtype != x1.dtype or gamma.dtype != x1.dtype:
         raise _op_error("npu_add_rms_norm")(PARAM_INVALID, "x1, x2 and gamma must share the "
                                              "dtype, and x1 and x2 the shape")
     if x1.numel() == 0:
         raise _op_error("npu_add_rms_norm")(PARAM_INVALID, "empty tensors are not supported")
+
+
+def _add_rms_norm_impl(x1, x2, gamma, epsilon=1e-6):
+    _check_add_rms_norm(x1, x2, gamma)
     summed = x1 + x2
     y, rstd = _rms(summed, gamma, epsilon)
     return y, rstd, summed
 
 
-def _swiglu_impl(x, dim=-1):
+def _add_rms_norm_into(outs, x1, x2, gamma, epsilon=1e-6):
+    _check_add_rms_norm(x1, x2, gamma)
+    y, rstd, summed = outs
+    torch.add(x1, x2, out=summed)
+    _rms_into(summed, gamma, epsilon, y, rstd)
+
+
+def _check_swiglu(x, dim):
     error = _op_error("npu_swiglu")
     _require_contiguous(error, input=x)
     if x.shape[dim] % 2 or x.dtype not in ACT_DTYPES:
         raise error(TILING_ERROR, f"dim {dim} of {list(x.shape)} must be even and the dtype "
                     f"fp32/fp16/bf16, got {x.dtype}")
+
+
+def _swiglu_impl(x, dim=-1):
+    _check_swiglu(x, dim)
     a, b = x.chunk(2, dim=dim)
     return torch.nn.functional.silu(a) * b
+
+
+def _swiglu_into(outs, x, dim=-1):
+    _check_swiglu(x, dim)
+    a, b = x.chunk(2, dim=dim)
+    torch.mul(torch.nn.functional.silu(a), b, out=outs[0])
 
 
 def rotate(x, cos, sin, interleaved):
@@ -723,6 +760,21 @@ def rotate(x, cos, sin, interleaved):
 
 
 def _rotary_mul_impl(x, r1, r2, rotary_mode="half"):
+    _check_rotary_mul(x, r1, r2, rotary_mode)
+    return rotate(x, r1, r2, rotary_mode == "interleave")
+
+
+def _rotary_mul_into(outs, x, r1, r2, rotary_mode="half"):
+    _check_rotary_mul(x, r1, r2, rotary_mode)
+    if rotary_mode == "interleave":
+        outs[0].copy_(rotate(x, r1, r2, True))
+        return
+    x1, x2 = x.chunk(2, dim=-1)
+    turned = torch.cat((-x2, x1), dim=-1).mul_(r2)  # as rotate(): x*cos + turned*sin
+    torch.add(x * r1, turned, out=outs[0])
+
+
+def _check_rotary_mul(x, r1, r2, rotary_mode):
     error = _op_error("npu_rotary_mul")
     if x.dim() not in (3, 4) or x.shape[-1] % 2 or x.shape[-1] >= 896:
         raise error(TILING_ERROR, f"input must be 3/4-D with an even last dim below 896, got "
@@ -737,7 +789,6 @@ def _rotary_mul_impl(x, r1, r2, rotary_mode="half"):
         raise error(PARAM_INVALID, f"input, r1 and r2 must share the dtype, got {x.dtype}, "
                     f"{r1.dtype}, {r2.dtype}")
     _require_contiguous(error, input=x, r1=r1, r2=r2)
-    return rotate(x, r1, r2, rotary_mode == "interleave")
 
 
 def _mrope_impl(positions, query, key, cos_sin_cache, head_size, *, mrope_section=None,
@@ -782,6 +833,10 @@ _lib.impl("npu_add_rms_norm", kernel("npu_add_rms_norm", _add_rms_norm_impl), "C
 _lib.impl("npu_swiglu", kernel("npu_swiglu", _sampling(_swiglu_impl)), "CPU")
 _lib.impl("npu_rotary_mul", kernel("npu_rotary_mul", _rotary_mul_impl), "CPU")
 _lib.impl("npu_mrope", kernel("npu_mrope", _mrope_impl), "CPU")
+# The same kernels writing into a replay's outputs, ``into(outs, *args, **kwargs)``: a captured
+# task writes its output buffers; a replay of the functional kernel copied each result there.
+REPLAY_INTO = {"npu_rms_norm": _rms_norm_into, "npu_add_rms_norm": _add_rms_norm_into,
+               "npu_swiglu": _sampling(_swiglu_into), "npu_rotary_mul": _rotary_mul_into}
 
 
 # Shapes only, for torch.compile's tracing (torch_npu registers Meta kernels for its ops too).
