@@ -11,9 +11,11 @@ measured side by side in one run.
         --modes eager FULL_DECODE_ONLY FULL_AND_PIECEWISE             # LoRA against none
 
 Decode time excludes prefill: each batch is generated twice, for 1 and for 1 + N new tokens (greedy,
-EOS ignored), and ms/step is the difference over N. One engine (or HF model) at a time, after a
-warm-up generation, the fastest of 3 runs. Ratios are speed ratios (higher is faster) against eager
-and against HF in the same run. The 'gemm' row is the floor: the step's matrix products alone. The
+EOS ignored), and ms/step is the difference over N. One engine at a time (HF's model stays loaded
+beside it; one of them runs at any moment), after a warm-up generation, the fastest of 3 runs. Ratios are speed ratios (higher is faster) against eager
+and against HF in the same run: against HF's runs interleaved with the engine's ('HF
+alongside': HF stays loaded while each engine runs, and their runs alternate, so a slow spell of
+the machine falls on both). The 'gemm' row is the floor: the step's matrix products alone. The
 W8A8 exports of the tiny Llama (docs/quantization.md) are compared with the bf16 model ('vs tiny'):
 on the simulator that measures the quantized operators' host overhead, not the chip's int8 speed
 ('hf' and 'gemm' rows are skipped for them). 'tiny-lora' is the tiny Llama with LoRA on (rank 8 on
@@ -35,17 +37,21 @@ def prompts_for(batch: int) -> list[str]:
     return [f"Request {i}: tell me a story about the number {i}." for i in range(batch)]
 
 
-def decode_ms(generate, batch: int, tokens: int, repeats: int = 3) -> float:
-    """ms per decode step: generate(batch, 1 + tokens) minus generate(batch, 1), over tokens
-    (the fastest of `repeats` runs of each, interleaved)."""
-    generate(batch, 4)  # warm-up
-    times = {}
+def decode_ms(generates, batch: int, tokens: int, repeats: int = 3) -> list[float]:
+    """ms per decode step of each generator: generate(batch, 1 + tokens) minus
+    generate(batch, 1), over tokens (the fastest of `repeats` runs of each). The generators' runs
+    interleave, so that a slow spell of the machine (their speed drifts by up to a quarter
+    over a minute here) falls on each of them alike."""
+    for generate in generates:
+        generate(batch, 4)  # warm-up
+    times = [{} for _ in generates]
     for _ in range(repeats):
-        for n in (1, 1 + tokens):
-            start = time.perf_counter()
-            generate(batch, n)
-            times.setdefault(n, []).append(time.perf_counter() - start)
-    return 1000 * (min(times[1 + tokens]) - min(times[1])) / tokens
+        for generate, runs in zip(generates, times):
+            for n in (1, 1 + tokens):
+                start = time.perf_counter()
+                generate(batch, n)
+                runs.setdefault(n, []).append(time.perf_counter() - start)
+    return [1000 * (min(runs[1 + tokens]) - min(runs[1])) / tokens for runs in times]
 
 
 def vllm_generator(llm, adapters=()):
@@ -101,12 +107,20 @@ def hf_generator(path: str):
     tok = transformers.AutoTokenizer.from_pretrained(path, padding_side="left")
     tok.pad_token = tok.pad_token or tok.eos_token
     model = load_hf(path)
+    # An engine made in this process sets its torch threads to 1 (vLLM's frontend): HF keeps
+    # the count it had when loaded.
+    threads = torch.get_num_threads()
 
     def generate(batch, n):
         inputs = tok(prompts_for(batch), return_tensors="pt", padding=True)
-        with torch.inference_mode():
-            model.generate(**inputs, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                           pad_token_id=tok.pad_token_id)
+        frontend = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            with torch.inference_mode():
+                model.generate(**inputs, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                               pad_token_id=tok.pad_token_id)
+        finally:
+            torch.set_num_threads(frontend)
     return generate
 
 
@@ -140,12 +154,16 @@ def main():
              "tiny-w8a8": quantized_model_dir("llama", "W8A8", "bfloat16"),
              "tiny-lora": tiny_model_dir("llama")}
     results = {}
+    alongside = {}  # (model, classes, mode, batch) -> HF's ms measured interleaved with it
     for model in args.models:
         for classes in args.classes:
             # vLLM's plugin allow-list, read by every process the engine spawns: the platform
             # plugin alone loads upstream's model classes; both load the per-family files.
             os.environ["VLLM_PLUGINS"] = "ascend" if classes == "upstream" else \
                 "ascend,ascend_models"
+            # HF stays loaded while the engines run: its runs interleave with each engine's.
+            hf = hf_generator(paths[model]) if "hf" in args.modes and classes == \
+                args.classes[0] and not ("w8a8" in model or model == "tiny-lora") else None
             for mode in args.modes:
                 derived = "w8a8" in model or model == "tiny-lora"  # compared with tiny
                 if mode in ("hf", "gemm") and (classes != args.classes[0] or derived):
@@ -156,7 +174,7 @@ def main():
                         results[(model, classes, mode, batch)] = gemm_floor_ms(paths[model], batch)
                     continue
                 if mode == "hf":
-                    llm, generate = None, hf_generator(paths[model])
+                    llm, generate = None, hf
                 else:
                     from vllm import LLM
 
@@ -168,24 +186,32 @@ def main():
                     generate = vllm_generator(llm, lora_requests() if lora else ())
                 startup = time.perf_counter() - start
                 for batch in args.batches:
-                    results[(model, classes, mode, batch)] = decode_ms(generate, batch,
-                                                                       args.tokens)
+                    key = (model, classes, mode, batch)
+                    if hf is None or mode == "hf":
+                        results[key], = decode_ms([generate], batch, args.tokens)
+                    else:
+                        results[key], alongside[key] = decode_ms([generate, hf], batch,
+                                                                 args.tokens)
                 print(f"[{model} {classes} {mode}] start {startup:.1f} s", flush=True)
                 if llm is not None:
                     llm.llm_engine.engine_core.shutdown()
                 del llm, generate
                 gc.collect()
+            del hf
 
     print(f"\n{'model':17} {'classes':9} {'mode':20} {'batch':>5} {'ms/step':>9} {'tok/s':>9} "
-          f"{'vs eager':>9} {'vs HF':>7} {'vs upstream':>11} {'vs tiny':>7}")
+          f"{'vs eager':>9} {'HF alongside':>12} {'vs HF':>7} {'vs upstream':>11} {'vs tiny':>7}")
     for (model, classes, mode, batch), ms in results.items():
         def ratio(key):
             base = results.get(key)
             return f"{base / ms:.2f}x" if base and key != (model, classes, mode, batch) else "-"
         up = ratio((model, "upstream", mode, batch)) if classes != "upstream" else "-"
+        hf_ms = alongside.get((model, classes, mode, batch))
+        # 'vs HF': against HF's runs interleaved with this engine's where there are some
+        vs_hf = f"{hf_ms / ms:.2f}x" if hf_ms else ratio((model, args.classes[0], "hf", batch))
         print(f"{model:17} {classes:9} {mode:20} {batch:5d} {ms:9.2f} {1000 * batch / ms:9.1f} "
               f"{ratio((model, classes, 'eager', batch)):>9} "
-              f"{ratio((model, args.classes[0], 'hf', batch)):>7} {up:>11} "
+              f"{f'{hf_ms:.2f}' if hf_ms else '-':>12} {vs_hf:>7} {up:>11} "
               f"{ratio(('tiny', classes, mode, batch)) if model.startswith('tiny-') else '-':>7}")
 
 
