@@ -298,6 +298,9 @@ def _paged_kv(key, value, block_table, max_kv, block_size, nkv, d):
     batch = block_table.shape[0]
     nblk = max(1, -(-max_kv // block_size))
     blocks = block_table[:, :nblk].reshape(-1)
+    if nblk == 1:  # within one block: gather its first max_kv tokens only
+        return (x[:, :max_kv].index_select(0, blocks).view(batch, max_kv, nkv, d)
+                for x in (key, value))
     kp = key.index_select(0, blocks).view(batch, nblk * block_size, nkv, d)[:, :max_kv]
     vp = value.index_select(0, blocks).view(batch, nblk * block_size, nkv, d)[:, :max_kv]
     return kp, vp
