@@ -322,6 +322,22 @@ MUTATIONS = [
              "eager step",
              "vllm_ascend/device/sim/matmul.py", "            and a.shape[0] == 1)",
              "            and a.shape[0] == 0)", ("tests/ut/test_sim_matmul.py",)),
+    Mutation("replayed-rope-reads-cos-for-sin",
+             "a FULL or PIECEWISE replay's RoPE (the form that writes into the graph's output) "
+             "multiplies the rotated half by cos: graphs rotate otherwise than eager steps",
+             "vllm_ascend/device/sim/ops.py",
+             "    turned = torch.cat((-x2, x1), dim=-1).mul_(r2)  # rotate(): x*cos + turned*sin",
+             "    turned = torch.cat((-x2, x1), dim=-1).mul_(r1)",
+             ("tests/ut/test_sim_graph.py::"
+              "test_a_replay_of_the_fused_kernels_writes_what_the_eager_ops_return",)),
+    Mutation("replayed-kernels-not-in-the-ledger",
+             "a replay's simulated kernels, called without the dispatcher, are not counted as "
+             "replayed ops: the ledger's proof that a graph ran a fused kernel goes blind",
+             "vllm_ascend/device/sim/graph.py",
+             "                        if counting and _op_called(fn) is not None:",
+             "                        if False:",
+             ("tests/ut/test_sim_graph.py::"
+              "test_a_replay_of_the_fused_kernels_writes_what_the_eager_ops_return",)),
     Mutation("custom-ops-registered-in-import-kernels",
              "the CustomOp overrides register from Platform.import_kernels, which vLLM's "
              "layernorm import calls half-done: an EAGLE-3 head fails to load (circular import)",

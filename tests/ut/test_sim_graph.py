@@ -117,6 +117,42 @@ def test_the_ledger_counts_launches_outside_replays_syncs_and_staged_copies():
     assert ledger.replayed_ops["aten::sum"] == 0
 
 
+def fused_layer(x1, x2, gamma, cos, sin, up):
+    """The simulated kernels a decoder layer replays (RoPE in both layouts)."""
+    y, rstd, summed = torch_npu.npu_add_rms_norm(x1, x2, gamma, 1e-5)
+    normed, rstd2 = torch_npu.npu_rms_norm(summed, gamma, 1e-6)
+    heads = y.view(y.shape[0], 4, -1)
+    half = torch_npu.npu_rotary_mul(heads, cos, sin)
+    interleaved = torch_npu.npu_rotary_mul(heads, cos, sin, rotary_mode="interleave")
+    return y, rstd, summed, normed, rstd2, half, interleaved, torch_npu.npu_swiglu(up)
+
+
+def test_a_replay_of_the_fused_kernels_writes_what_the_eager_ops_return():
+    """A replay calls the simulator's kernels without the dispatcher and writes the norms',
+    RoPE's and SwiGLU's results into the graph's outputs (ops.REPLAY_INTO): the same bits as
+    the ops run eagerly, and each still counted as one replayed op."""
+    from vllm_ascend.device.sim.ledger import Ledger
+
+    def inputs():
+        return (torch.randn(3, 64).to(BF16) * 3, torch.randn(3, 64).to(BF16),
+                torch.randn(64).to(BF16), torch.randn(3, 1, 16).to(BF16),
+                torch.randn(3, 1, 16).to(BF16), torch.randn(3, 96).to(BF16))
+
+    args = inputs()
+    g, outs = capture(fused_layer, *args)
+    for arg, new in zip(args, inputs()):
+        arg.copy_(new)
+    with Ledger() as ledger:
+        g.replay()
+        npu.synchronize()
+    for got, expected in zip(outs, fused_layer(*args)):
+        assert got.dtype == expected.dtype and torch.equal(got, expected)
+    ran = ledger.replayed_ops
+    assert ran["ascend_sim::npu_add_rms_norm"] == ran["ascend_sim::npu_rms_norm"] == 1
+    assert ran["ascend_sim::npu_rotary_mul"] == 2 and ran["ascend_sim::npu_swiglu"] == 1
+    assert ran["aten::rsqrt"] == 0  # the kernels' own ops are not counted as the device's
+
+
 def test_a_weak_reference_reads_poison_once_its_owner_is_released():
     owner = torch.arange(6, dtype=torch.float32)
     weak = torch_npu._C._weak_ref_tensor(owner)

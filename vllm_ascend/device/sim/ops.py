@@ -773,7 +773,7 @@ def _rotary_mul_into(outs, x, r1, r2, rotary_mode="half"):
         outs[0].copy_(rotate(x, r1, r2, True))
         return
     x1, x2 = x.chunk(2, dim=-1)
-    turned = torch.cat((-x2, x1), dim=-1).mul_(r2)  # as rotate(): x*cos + turned*sin
+    turned = torch.cat((-x2, x1), dim=-1).mul_(r2)  # rotate(): x*cos + turned*sin
     torch.add(x * r1, turned, out=outs[0])
 
 
