@@ -12,12 +12,13 @@ measured side by side in one run.
 
 Decode time excludes prefill: each batch is generated twice, for 1 and for 1 + N new tokens (greedy,
 EOS ignored), and ms/step is the difference over N. One engine at a time (HF's model stays loaded
-beside it; one of them runs at any moment), after a warm-up generation, the fastest of 3 runs. Ratios are speed ratios (higher is faster) against eager
-and against HF in the same run: against HF's runs interleaved with the engine's ('HF
-alongside': HF stays loaded while each engine runs, and their runs alternate, so a slow spell of
-the machine falls on both). The 'gemm' row is the floor: the step's matrix products alone. The
-W8A8 exports of the tiny Llama (docs/quantization.md) are compared with the bf16 model ('vs tiny'):
-on the simulator that measures the quantized operators' host overhead, not the chip's int8 speed
+beside it; one of them runs at any moment), after a warm-up generation, the fastest of 3 runs.
+Ratios are speed ratios (higher is faster) against eager and against HF in the same run:
+against HF's runs interleaved with the engine's ('HF alongside': their runs alternate, so a
+slow spell of the machine falls on both). The 'gemm' row is the floor: the step's matrix
+products alone. The W8A8 exports of the tiny Llama (docs/quantization.md) are compared with the
+bf16 model ('vs tiny'): on the simulator that measures the quantized operators' host overhead, not
+the chip's int8 speed
 ('hf' and 'gemm' rows are skipped for them). 'tiny-lora' is the tiny Llama with LoRA on (rank 8 on
 every projection, two adapters loaded, the batch's requests alternating between them), compared with
 the tiny Llama without ('vs tiny'): the cost of the punica wrapper's products.
