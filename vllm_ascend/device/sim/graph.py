@@ -21,8 +21,9 @@ the record is frozen as a graph pool would leave it:
 * replay is a flat list of prepared kernel calls (``.out`` overloads where the op has one), with
   no Python of the model in it, cut where a node waits on an ExternalEvent. The simulator's own
   kernels (``ascend_sim`` ops) are called as the Python functions they are, not through torch's
-  dispatcher, and those with a form that writes into given outputs (``ops.REPLAY_INTO``) write
-  into the graph's, as a captured task writes its output buffers.
+  dispatcher, and those with a form that writes into given outputs (``ops.REPLAY_INTO``, and
+  aten.linear's in ``matmul.REPLAY_INTO``) write into the graph's, as a captured task writes its
+  output buffers.
 
 A host synchronisation during capture (``.item()``, ``.tolist()``) or a device-to-host copy
 (``.cpu()``, ``.numpy()``, ``.to("cpu")``) raises, as on the chip. Each
@@ -41,6 +42,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from vllm_ascend.device.sim import acl as _acl
 from vllm_ascend.device.sim import ledger as _ledger
+from vllm_ascend.device.sim import matmul as _matmul
 from vllm_ascend.device.sim import ops as _ops
 from vllm_ascend.device.sim import trace as _trace
 
@@ -858,10 +860,12 @@ def _kernel_of(func, otherwise):
 
 
 def _writer_of(func):
-    """An ascend_sim op's kernel writing into given outputs (ops.REPLAY_INTO), if it has one."""
-    if func.namespace != "ascend_sim" or func._overloadname != "default":
+    """A kernel writing ``func``'s results into given outputs, if it has one: an ascend_sim
+    op's (ops.REPLAY_INTO), aten's products (matmul.REPLAY_INTO)."""
+    table = {"ascend_sim": _ops.REPLAY_INTO, "aten": _matmul.REPLAY_INTO}.get(func.namespace)
+    if table is None or func._overloadname != "default":
         return None
-    into = _ops.REPLAY_INTO.get(func._schema.name.split("::")[1])
+    into = table.get(func._schema.name.split("::")[1])
     if into is not None:
         _DIRECT[into] = func
     return into
