@@ -326,10 +326,34 @@ MUTATIONS = [
              "a FULL or PIECEWISE replay's RoPE (the form that writes into the graph's output) "
              "multiplies the rotated half by cos: graphs rotate otherwise than eager steps",
              "vllm_ascend/device/sim/ops.py",
-             "    turned = torch.cat((-x2, x1), dim=-1).mul_(r2)  # rotate(): x*cos + turned*sin",
-             "    turned = torch.cat((-x2, x1), dim=-1).mul_(r1)",
+             "    turned = x.roll(half, -1).mul_(r2)",
+             "    turned = x.roll(half, -1).mul_(r1)",
              ("tests/ut/test_sim_graph.py::"
               "test_a_replay_of_the_fused_kernels_writes_what_the_eager_ops_return",)),
+    Mutation("replayed-norm-ignores-gamma",
+             "a replay's RMS norms (the form that writes into the graph's outputs) leave out "
+             "the weight: graphs normalise otherwise than eager steps",
+             "vllm_ascend/device/sim/ops.py",
+             "    torch.mul(xf.mul_(rstd), gamma, out=y)",
+             "    torch.mul(xf.mul_(rstd), 1.0, out=y)",
+             ("tests/ut/test_sim_graph.py::"
+              "test_a_replay_of_the_fused_kernels_writes_what_the_eager_ops_return",)),
+    Mutation("replayed-product-drops-its-bias",
+             "a replay's aten.linear with a bias takes the direct product path, which has no "
+             "bias: a graph's biased projections (Qwen2's q/k/v) lose it",
+             "vllm_ascend/device/sim/matmul.py",
+             "    if bias is None and x.dim() == 2 and _LIB is not None:",
+             "    if x.dim() == 2 and _LIB is not None:",
+             ("tests/ut/test_sim_graph.py::"
+              "test_a_replays_products_write_what_eager_linear_returns",)),
+    Mutation("fia-one-request-reads-its-block-end",
+             "FIA's one-request path (a batch-1 decode within one block) reads the block's last "
+             "tokens instead of its first: attention over slots the request has not written",
+             "vllm_ascend/device/sim/ops.py",
+             "            return (x[block, :max_kv].view(1, max_kv, nkv, d) for x in (key, value))",
+             "            return (x[block, -max_kv:].view(1, max_kv, nkv, d) for x in (key, value))",
+             ("tests/ut/test_sim_fia.py::"
+              "test_one_request_within_one_block_reads_its_first_block_in_place",)),
     Mutation("replayed-kernels-not-in-the-ledger",
              "a replay's simulated kernels, called without the dispatcher, are not counted as "
              "replayed ops: the ledger's proof that a graph ran a fused kernel goes blind",

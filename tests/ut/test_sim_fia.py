@@ -107,6 +107,24 @@ def test_a_decode_token_attends_the_same_bits_alone_or_in_any_batch(shared):
         assert torch.equal(alone, batch[r:r + 1]), r
 
 
+def test_one_request_within_one_block_reads_its_first_block_in_place():
+    # A batch-1 decode whose keys fit in one block reads that block where it lies (no gather):
+    # the table's first column, of a row that holds more blocks (as vLLM's rows do), and the
+    # same bits as the request attends with in a batch (which gathers its block).
+    case = Case([1, 1, 1], [9, 16, 3])
+    used = case.table.flatten().tolist()
+    spare = [b for b in range(case.k4.shape[0]) if b not in used]
+    case.table = torch.cat([case.table, torch.tensor(spare, dtype=torch.int32).view(3, 1)], 1)
+    batch, _ = case.run()
+    ref = reference(case.q, case.per_request(case.k4), case.per_request(case.v4), case.q_lens,
+                    0.125)
+    torch.testing.assert_close(batch.float(), ref, atol=2e-2, rtol=2e-2)
+    for r in range(3):
+        alone, _ = case.run(query=case.q[r:r + 1], block_table=case.table[r:r + 1].contiguous(),
+                            actual_seq_lengths=[1], actual_seq_lengths_kv=[case.kv_lens[r]])
+        assert torch.equal(alone, batch[r:r + 1]), r
+
+
 @pytest.mark.parametrize("q_len", [1, 3])
 def test_requests_all_alike_attend_once_with_the_same_bits(q_len, monkeypatch):
     # vLLM's dummy batches: every request the same queries over the same blocks. The simulator

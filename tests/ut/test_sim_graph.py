@@ -153,6 +153,29 @@ def test_a_replay_of_the_fused_kernels_writes_what_the_eager_ops_return():
     assert ran["aten::rsqrt"] == 0  # the kernels' own ops are not counted as the device's
 
 
+def products(x, w, w2, bias):
+    return torch.nn.functional.linear(x, w), torch.nn.functional.linear(x, w2, bias)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 8, 12])
+def test_a_replays_products_write_what_eager_linear_returns(rows):
+    """A replay writes aten.linear's products into the graph's outputs without the dispatcher
+    (matmul.REPLAY_INTO): the eager op's bits for one row (padded), a few and many (float32),
+    with and without a bias, each product counted as one replayed aten::linear."""
+    from vllm_ascend.device.sim.ledger import Ledger
+
+    args = (torch.randn(rows, 64).to(BF16), torch.randn(96, 64).to(BF16),
+            torch.randn(32, 64).to(BF16), torch.randn(32).to(BF16))
+    g, outs = capture(products, *args)
+    args[0].copy_(torch.randn(rows, 64).to(BF16))
+    with Ledger() as ledger:
+        g.replay()
+        npu.synchronize()
+    for got, expected in zip(outs, products(*args)):
+        assert torch.equal(got, expected)
+    assert dict(ledger.replayed_ops) == {"aten::linear": 2}
+
+
 def test_a_weak_reference_reads_poison_once_its_owner_is_released():
     owner = torch.arange(6, dtype=torch.float32)
     weak = torch_npu._C._weak_ref_tensor(owner)

@@ -297,6 +297,12 @@ def _paged_kv(key, value, block_table, max_kv, block_size, nkv, d):
     """The first max_kv tokens of each row's blocks: [B, max_kv, nkv, d] keys and values."""
     batch = block_table.shape[0]
     nblk = max(1, -(-max_kv // block_size))
+    if nblk == 1 and batch == 1:
+        # One request within one block (a batch-1 decode): the block read where it lies, its id
+        # read from the table as the kernel reads it (the scatter's slots alike), no gather
+        block = torch._C.TensorBase.tolist(block_table[:, 0])[0]
+        if 0 <= block < key.shape[0]:  # (else index_select below refuses it)
+            return (x[block, :max_kv].view(1, max_kv, nkv, d) for x in (key, value))
     blocks = block_table[:, :nblk].reshape(-1)
     if nblk == 1:  # within one block: gather its first max_kv tokens only
         return (x[:, :max_kv].index_select(0, blocks).view(batch, max_kv, nkv, d)
@@ -667,10 +673,11 @@ def _op_error(op):
 
 
 def rms_float(x, gamma, eps):
-    """(y, rstd) in float32: the norm before any rounding to x's dtype."""
+    """(y, rstd) in float32: the norm before any rounding to x's dtype. (xf * xf is pow(xf, 2)'s
+    arithmetic; a 16-bit gamma times a float32 tensor is its exact widening's product.)"""
     xf = x.float()
-    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return xf * rstd * gamma.float(), rstd
+    rstd = torch.rsqrt((xf * xf).mean(-1, keepdim=True) + eps)
+    return xf * rstd * gamma, rstd
 
 
 def _rms(x, gamma, eps):
@@ -695,8 +702,8 @@ def _check_norm(op, x, gamma):
 def _rms_into(x, gamma, eps, y, rstd):
     """_rms written into y and rstd: the same arithmetic in the same order, in place."""
     xf = x.to(torch.float32, copy=True)
-    torch.rsqrt(xf.pow(2).mean(-1, keepdim=True).add_(eps), out=rstd)
-    y.copy_(xf.mul_(rstd).mul_(gamma.float()))
+    torch.rsqrt((xf * xf).mean(-1, keepdim=True).add_(eps), out=rstd)
+    torch.mul(xf.mul_(rstd), gamma, out=y)  # in float32, rounded once into y
 
 
 def _rms_norm_impl(x, gamma, epsilon=1e-6):
@@ -705,7 +712,6 @@ def _rms_norm_impl(x, gamma, epsilon=1e-6):
 
 
 def _rms_norm_into(outs, x, gamma, epsilon=1e-6):
-    _check_norm("npu_rms_norm", x, gamma)
     _rms_into(x, gamma, epsilon, *outs)
 
 
@@ -726,7 +732,6 @@ def _add_rms_norm_impl(x1, x2, gamma, epsilon=1e-6):
 
 
 def _add_rms_norm_into(outs, x1, x2, gamma, epsilon=1e-6):
-    _check_add_rms_norm(x1, x2, gamma)
     y, rstd, summed = outs
     torch.add(x1, x2, out=summed)
     _rms_into(summed, gamma, epsilon, y, rstd)
@@ -747,7 +752,6 @@ def _swiglu_impl(x, dim=-1):
 
 
 def _swiglu_into(outs, x, dim=-1):
-    _check_swiglu(x, dim)
     a, b = x.chunk(2, dim=dim)
     torch.mul(torch.nn.functional.silu(a), b, out=outs[0])
 
@@ -768,12 +772,13 @@ def _rotary_mul_impl(x, r1, r2, rotary_mode="half"):
 
 
 def _rotary_mul_into(outs, x, r1, r2, rotary_mode="half"):
-    _check_rotary_mul(x, r1, r2, rotary_mode)
     if rotary_mode == "interleave":
         outs[0].copy_(rotate(x, r1, r2, True))
         return
-    x1, x2 = x.chunk(2, dim=-1)
-    turned = torch.cat((-x2, x1), dim=-1).mul_(r2)  # rotate(): x*cos + turned*sin
+    # rotate(): x*cos + cat(-x2, x1)*sin; the sign after the product, which is symmetric
+    half = x.shape[-1] // 2
+    turned = x.roll(half, -1).mul_(r2)
+    turned[..., :half].neg_()
     torch.add(x * r1, turned, out=outs[0])
 
 
@@ -838,6 +843,8 @@ _lib.impl("npu_rotary_mul", kernel("npu_rotary_mul", _rotary_mul_impl), "CPU")
 _lib.impl("npu_mrope", kernel("npu_mrope", _mrope_impl), "CPU")
 # The same kernels writing into a replay's outputs, ``into(outs, *args, **kwargs)``: a captured
 # task writes its output buffers; a replay of the functional kernel copied each result there.
+# They check nothing: the functional kernel checked the same tensors at capture, as the chip's
+# tiling does, and a replay reads those tensors again (their shapes, dtypes and layouts).
 REPLAY_INTO = {"npu_rms_norm": _rms_norm_into, "npu_add_rms_norm": _add_rms_norm_into,
                "npu_swiglu": _sampling(_swiglu_into), "npu_rotary_mul": _rotary_mul_into}
 
