@@ -350,10 +350,20 @@ MUTATIONS = [
              "FIA's one-request path (a batch-1 decode within one block) reads the block's last "
              "tokens instead of its first: attention over slots the request has not written",
              "vllm_ascend/device/sim/ops.py",
-             "            return (x[block, :max_kv].view(1, max_kv, nkv, d) for x in (key, value))",
-             "            return (x[block, -max_kv:].view(1, max_kv, nkv, d) for x in (key, value))",
+             "            return (x[block, :max_kv].view(1, max_kv, nkv, d) for x in "
+             "(key, value))",
+             "            return (x[block, -max_kv:].view(1, max_kv, nkv, d) for x in "
+             "(key, value))",
              ("tests/ut/test_sim_fia.py::"
               "test_one_request_within_one_block_reads_its_first_block_in_place",)),
+    Mutation("replayed-scatter-skips-its-slot-checks",
+             "a replay's KV scatter, which skips the checks the capture made, skips the check of "
+             "the slots it reads too: an out-of-range slot writes past the cache unreported",
+             "vllm_ascend/device/sim/ops.py",
+             "    if high >= num_blocks * block_size:",
+             "    if not _replay and high >= num_blocks * block_size:",
+             ("tests/ut/test_sim_graph.py::"
+              "test_a_replayed_scatter_writes_each_replays_slots_and_checks_them",)),
     Mutation("replayed-kernels-not-in-the-ledger",
              "a replay's simulated kernels, called without the dispatcher, are not counted as "
              "replayed ops: the ledger's proof that a graph ran a fused kernel goes blind",

@@ -613,6 +613,29 @@ def test_updated_host_values_are_checked_at_replay():
         a.graph.replay()
 
 
+def test_a_replayed_scatter_writes_each_replays_slots_and_checks_them():
+    """A replay skips the checks of the scatter's tensors, which the capture made, and keeps the
+    checks of the slots it reads when it runs: out of range, or twice, raises at the replay."""
+    key, value = torch.randn(2, 2, 16).to(BF16), torch.randn(2, 2, 16).to(BF16)
+    caches = [torch.zeros(4, 16, 2, 16).to(BF16) for _ in range(2)]
+    slots = torch.tensor([3, 17], dtype=torch.int32)
+
+    def write():
+        torch_npu.npu_scatter_pa_kv_cache(key, value, *caches, slots, cache_mode="Norm")
+
+    g, _ = capture(write)
+    slots.copy_(torch.tensor([40, 5], dtype=torch.int32))
+    g.replay()
+    npu.synchronize()
+    flat_k = caches[0].view(-1, 2, 16)
+    assert torch.equal(flat_k[40], key[0]) and torch.equal(flat_k[5], key[1])
+    for bad, message in (([64, 1], "out of range"), ([9, 9], "must be unique")):
+        slots.copy_(torch.tensor(bad, dtype=torch.int32))
+        with pytest.raises(Exception, match=message):
+            g.replay()
+            npu.synchronize()
+
+
 def test_boolean_operators_replay_on_new_inputs():
     # torch's `__and__`/`__or__` bindings accept out= yet write nothing (NotImplemented): the
     # replay must not take them for out= kernels (vLLM's vocabulary-parallel embedding masks

@@ -849,12 +849,13 @@ _DIRECT: dict = {}
 
 
 def _kernel_of(func, otherwise):
-    """What a replay calls for ``func``: an ascend_sim op's Python kernel, else ``otherwise``."""
+    """What a replay calls for ``func``: an ascend_sim op's replay form (ops.REPLAY) or Python
+    kernel, else ``otherwise``."""
     if func.namespace != "ascend_sim":
         return otherwise
     overload = func._overloadname
     name = func._schema.name.split("::")[1] + ("" if overload == "default" else f".{overload}")
-    fn = _trace.KERNELS[name]
+    fn = _ops.REPLAY.get(name) or _trace.KERNELS[name]
     _DIRECT[fn] = func
     return fn
 

@@ -11,6 +11,7 @@ where they are known; where the chip's rule is not documented, the stricter read
 the comment says so.
 """
 
+import functools
 import threading
 
 import torch
@@ -111,6 +112,17 @@ def check_fia(query, key, value, atten_mask, actual_seq_lengths, actual_seq_leng
               block_size, pre_tokens, next_tokens, err=_fia_error):
     """The host-side checks of FIA in the TND layout; returns (q_lens, kv_lens, head_dim).
     ``err`` words the errors (v1's by default; FIA v2's dense path makes the same checks)."""
+    check_fia_tensors(query, key, value, atten_mask, block_table, num_heads, num_key_value_heads,
+                      input_layout, sparse_mode, block_size, pre_tokens, next_tokens, err)
+    return check_fia_lengths(query, key, value, actual_seq_lengths, actual_seq_lengths_kv,
+                             block_table, block_size, sparse_mode, err)
+
+
+def check_fia_tensors(query, key, value, atten_mask, block_table, num_heads,
+                      num_key_value_heads, input_layout, sparse_mode, block_size, pre_tokens,
+                      next_tokens, err=_fia_error):
+    """check_fia's checks of the tensors and attributes: a captured task keeps them (a task
+    update may change its host lists only, sim/graph.py), so a replay does not repeat these."""
     if input_layout != "TND":
         raise err(TILING_ERROR, f"input_layout {input_layout!r} is not simulated "
                   "(vllm-ascend uses TND)")
@@ -136,27 +148,6 @@ def check_fia(query, key, value, atten_mask, actual_seq_lengths, actual_seq_leng
         raise err(TILING_ERROR, "When input layout is TND, headDim shall not exceed 256")
     if d % 16 != 0:
         raise err(TILING_ERROR, f"D should be 16 elements aligned, but got D={d}")
-    # F2
-    for name, lst in (("actualSequenceLengthQ", actual_seq_lengths),
-                      ("actualSequenceLengthKV", actual_seq_lengths_kv)):
-        if not lst:
-            raise err(TILING_ERROR, f"When layout is TND, {name} is required and must "
-                      "not be empty")
-        if len(lst) > FIA_MAX_BATCH:
-            raise err(TILING_ERROR, f"{name} has {len(lst)} elements, at most "
-                      f"{FIA_MAX_BATCH} are supported")
-    cu_q = list(actual_seq_lengths)
-    prev = 0
-    for i, v in enumerate(cu_q):
-        if v < prev:
-            raise err(TILING_ERROR, "When layout is TND, actualSequenceLengthQ must be "
-                      f"non-decreasing and non-negative, but element {i} is {v} after {prev}")
-        prev = v
-    if t != cu_q[-1]:  # F3
-        raise err(TILING_ERROR, f"When layout is TND, queryT({t}) must be equal to the "
-                  f"last element of actualSequenceLengthQ({cu_q[-1]})")
-    batch = len(cu_q)
-    q_lens = [b - a for a, b in zip([0] + cu_q[:-1], cu_q)]
     # F11-F13
     if sparse_mode in (5, 6, 7, 8) or sparse_mode not in (0, 1, 2, 3, 4):
         raise err(TILING_ERROR, f"sparse_mode {sparse_mode} is not supported")
@@ -194,13 +185,6 @@ def check_fia(query, key, value, atten_mask, actual_seq_lengths, actual_seq_leng
         # next_tockens取值"), so a band asked for there is silently not applied: refused here.
         raise err(TILING_ERROR, f"pre_tokens/next_tokens ({pre_tokens}, {next_tokens}) "
                   f"are ignored in sparse_mode {sparse_mode}: a band takes sparse_mode 4")
-    if sparse_mode == 0 and block_table is not None and any(q > 1 for q in q_lens):
-        # Without a mask every query token sees every key. Upstream uses that without paging
-        # only (a non-causal model's prefill, MLA's context chunks, which lie before every
-        # query); on the paged cache a request's KV holds its own query tokens: not causal.
-        raise err(TILING_ERROR, "sparse_mode 0 (no mask) with a query length > 1 over the "
-                  "paged cache is not causal; use sparse_mode 3 with the causal mask")
-    kv = list(actual_seq_lengths_kv)
     if block_table is None:
         # F4: without paged attention KV is TND like the query, lengths cumulative.
         if key.dim() != 3 or value.dim() != 3 or key.shape[1:] != (nkv, d) or \
@@ -216,15 +200,7 @@ def check_fia(query, key, value, atten_mask, actual_seq_lengths, actual_seq_leng
             # bfloat16" (mla_v1.py _forward_prefill); the stricter reading.
             raise err(PARAM_INVALID, f"TND with queryD {d} and valueD {dv} takes "
                       f"bfloat16 only, got {query.dtype}")
-        if not (key.shape[0] == value.shape[0] == kv[-1]):
-            raise err(TILING_ERROR, "When layout is TND and PA not enabled, "
-                      f"keyT({key.shape[0]}) and valueT({value.shape[0]}) must be equal "
-                      f"to the last element of actualSeqenceLengthKV({kv[-1]})")
-        if len(kv) != batch:
-            raise err(TILING_ERROR, f"The size({len(kv)}) of actualSeqLengthsKv is not "
-                      f"equal to the batchSize({batch})")
-        kv_lens = [b - a for a, b in zip([0] + kv[:-1], kv)]
-        return q_lens, kv_lens, d
+        return
     # Paged attention (F5, F6).
     if block_table.dtype != torch.int32 or block_table.dim() != 2:
         raise err(PARAM_INVALID, f"block_table must be a 2-D int32 tensor, got "
@@ -244,6 +220,51 @@ def check_fia(query, key, value, atten_mask, actual_seq_lengths, actual_seq_leng
     if key.shape[2] != nkv * d or value.shape[2] != nkv * d or key.shape[0] != value.shape[0]:
         raise err(TILING_ERROR, f"key/value cache H must be numKeyValueHeads({nkv}) x "
                   f"D({d}) = {nkv * d}, got {key.shape[2]} and {value.shape[2]}")
+
+
+def check_fia_lengths(query, key, value, actual_seq_lengths, actual_seq_lengths_kv,
+                      block_table, block_size, sparse_mode, err=_fia_error):
+    """check_fia's checks of the host lists against the (checked) tensors, which a task update
+    re-issues: each replay makes them. Returns (q_lens, kv_lens, head_dim)."""
+    t, d = query.shape[0], query.shape[2]
+    # F2
+    for name, lst in (("actualSequenceLengthQ", actual_seq_lengths),
+                      ("actualSequenceLengthKV", actual_seq_lengths_kv)):
+        if not lst:
+            raise err(TILING_ERROR, f"When layout is TND, {name} is required and must "
+                      "not be empty")
+        if len(lst) > FIA_MAX_BATCH:
+            raise err(TILING_ERROR, f"{name} has {len(lst)} elements, at most "
+                      f"{FIA_MAX_BATCH} are supported")
+    cu_q = list(actual_seq_lengths)
+    prev = 0
+    for i, v in enumerate(cu_q):
+        if v < prev:
+            raise err(TILING_ERROR, "When layout is TND, actualSequenceLengthQ must be "
+                      f"non-decreasing and non-negative, but element {i} is {v} after {prev}")
+        prev = v
+    if t != cu_q[-1]:  # F3
+        raise err(TILING_ERROR, f"When layout is TND, queryT({t}) must be equal to the "
+                  f"last element of actualSequenceLengthQ({cu_q[-1]})")
+    batch = len(cu_q)
+    q_lens = [b - a for a, b in zip([0] + cu_q[:-1], cu_q)]
+    if sparse_mode == 0 and block_table is not None and any(q > 1 for q in q_lens):
+        # Without a mask every query token sees every key. Upstream uses that without paging
+        # only (a non-causal model's prefill, MLA's context chunks, which lie before every
+        # query); on the paged cache a request's KV holds its own query tokens: not causal.
+        raise err(TILING_ERROR, "sparse_mode 0 (no mask) with a query length > 1 over the "
+                  "paged cache is not causal; use sparse_mode 3 with the causal mask")
+    kv = list(actual_seq_lengths_kv)
+    if block_table is None:
+        if not (key.shape[0] == value.shape[0] == kv[-1]):
+            raise err(TILING_ERROR, "When layout is TND and PA not enabled, "
+                      f"keyT({key.shape[0]}) and valueT({value.shape[0]}) must be equal "
+                      f"to the last element of actualSeqenceLengthKV({kv[-1]})")
+        if len(kv) != batch:
+            raise err(TILING_ERROR, f"The size({len(kv)}) of actualSeqLengthsKv is not "
+                      f"equal to the batchSize({batch})")
+        kv_lens = [b - a for a, b in zip([0] + kv[:-1], kv)]
+        return q_lens, kv_lens, d
     if len(kv) != batch:
         raise err(TILING_ERROR, f"The size({len(kv)}) of actualSeqLengthsKv is not equal "
                   f"to the batchSize({batch})")
@@ -329,13 +350,19 @@ def band_of(sparse_mode: int, pre_tokens: int, next_tokens: int) -> "tuple[int, 
 
 def fia_kernel(query, key, value, atten_mask, actual_seq_lengths, actual_seq_lengths_kv,
                block_table, num_heads, scale, pre_tokens, next_tokens, input_layout,
-               num_key_value_heads, sparse_mode, block_size, out):
+               num_key_value_heads, sparse_mode, block_size, out, tensors_checked=False):
     """Attention of each request's query tokens over its KV (causal: query i sits at position
-    kv_len - q_len + i), written into ``out`` [T, N, D]."""
-    q_lens, kv_lens, d = check_fia(
-        query, key, value, atten_mask, actual_seq_lengths, actual_seq_lengths_kv, block_table,
-        num_heads, num_key_value_heads, input_layout, sparse_mode, block_size, pre_tokens,
-        next_tokens)
+    kv_len - q_len + i), written into ``out`` [T, N, D]. ``tensors_checked``: a replay's call,
+    whose tensors and attributes the capture checked (only its host lists are checked)."""
+    if tensors_checked:
+        q_lens, kv_lens, d = check_fia_lengths(query, key, value, actual_seq_lengths,
+                                               actual_seq_lengths_kv, block_table, block_size,
+                                               sparse_mode)
+    else:
+        q_lens, kv_lens, d = check_fia(
+            query, key, value, atten_mask, actual_seq_lengths, actual_seq_lengths_kv,
+            block_table, num_heads, num_key_value_heads, input_layout, sparse_mode, block_size,
+            pre_tokens, next_tokens)
     if query.shape[0] == 0 or max(q_lens) == 0:
         return  # F17: nothing to attend for
     if CAPTURING.active:
@@ -559,23 +586,26 @@ def _fia_out_impl(query, key, value, *, atten_mask=None, actual_seq_lengths=None
                   actual_seq_lengths_kv=None, block_table=None, num_heads=1, scale=1.0,
                   pre_tokens=INT32_MAX, next_tokens=INT32_MAX, input_layout="BSH",
                   num_key_value_heads=0, sparse_mode=0, inner_precise=0, block_size=0,
-                  softmax_lse_flag=False, workspace=None, attention_out, softmax_lse):
-    if softmax_lse_flag:
-        raise _fia_error(TILING_ERROR, "softmax_lse_flag=True is not simulated")
-    need = fia_workspace_elements(query, block_table, num_heads)
-    if workspace is None or workspace.dtype != query.dtype or workspace.numel() < need:
-        got = "none" if workspace is None else f"{workspace.numel()} {workspace.dtype}"
-        raise _fia_error(TILING_ERROR, f"the .out call needs workspace= from "
-                         f"_npu_fused_infer_attention_score_get_max_workspace ({need} elements of "
-                         f"{query.dtype}), got {got}")
-    if attention_out.shape != query.shape or attention_out.dtype != query.dtype or \
-            not attention_out.is_contiguous():
-        raise _fia_error(TILING_ERROR, f"attention_out must be a contiguous "
-                         f"{list(query.shape)} {query.dtype} tensor, got "
-                         f"{list(attention_out.shape)} {attention_out.dtype}")
+                  softmax_lse_flag=False, workspace=None, attention_out, softmax_lse,
+                  _replay=False):
+    if not _replay:  # (a replay's tensors and attributes are the ones checked at capture)
+        if softmax_lse_flag:
+            raise _fia_error(TILING_ERROR, "softmax_lse_flag=True is not simulated")
+        need = fia_workspace_elements(query, block_table, num_heads)
+        if workspace is None or workspace.dtype != query.dtype or workspace.numel() < need:
+            got = "none" if workspace is None else f"{workspace.numel()} {workspace.dtype}"
+            raise _fia_error(TILING_ERROR, f"the .out call needs workspace= from "
+                             "_npu_fused_infer_attention_score_get_max_workspace "
+                             f"({need} elements of {query.dtype}), got {got}")
+        if attention_out.shape != query.shape or attention_out.dtype != query.dtype or \
+                not attention_out.is_contiguous():
+            raise _fia_error(TILING_ERROR, f"attention_out must be a contiguous "
+                             f"{list(query.shape)} {query.dtype} tensor, got "
+                             f"{list(attention_out.shape)} {attention_out.dtype}")
     fia_kernel(query, key, value, atten_mask, actual_seq_lengths, actual_seq_lengths_kv,
                block_table, num_heads, scale, pre_tokens, next_tokens, input_layout,
-               num_key_value_heads, sparse_mode, block_size, attention_out)
+               num_key_value_heads, sparse_mode, block_size, attention_out,
+               tensors_checked=_replay)
     return attention_out, softmax_lse
 
 
@@ -603,7 +633,33 @@ def _scatter_error(code, message):
     return AscendOpError("npu_scatter_pa_kv_cache", "aclnnScatterPaKvCache", code, message)
 
 
-def _scatter_impl(key, value, key_cache, value_cache, slot_mapping, *, cache_mode="PA_NZ"):
+def _scatter_impl(key, value, key_cache, value_cache, slot_mapping, *, cache_mode="PA_NZ",
+                  _replay=False):
+    if not _replay:  # (a replay's tensors and attributes are the ones checked at capture)
+        _check_scatter(key, value, key_cache, value_cache, slot_mapping, cache_mode)
+    num_blocks, block_size = key_cache.shape[:2]
+    # The checks on a host list (fewer ops than on the tensor): the kernel's own read, which a
+    # capture's refusal of the product's .tolist() (sim/graph.py) does not apply to.
+    values = torch._C.TensorBase.tolist(slot_mapping)
+    if not values:
+        return
+    slots = slot_mapping.long()
+    low, high = min(values), max(values)
+    if low < 0:  # -1 marks a padded token: nothing is written for it
+        keep = slots >= 0
+        slots, key, value = slots[keep], key[keep], value[keep]
+        values = [v for v in values if v >= 0]
+    if high >= num_blocks * block_size:
+        raise _scatter_error(TILING_ERROR, f"slot {high} is out of range "
+                             f"[0, {num_blocks * block_size - 1}]")
+    if len(set(values)) != len(values):
+        raise _scatter_error(TILING_ERROR, "slot_mapping values must be unique")
+    # Contiguous [blocks, block_size, heads, head_size] caches: a slot is a row of the flat view.
+    key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slots, key)
+    value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slots, value)
+
+
+def _check_scatter(key, value, key_cache, value_cache, slot_mapping, cache_mode):
     if cache_mode != "Norm":
         # 'PA_NZ' (the default) expects NZ-format caches; vLLM's caches are ND.
         raise _scatter_error(PARAM_INVALID, f"cache_mode {cache_mode!r} expects NZ caches, but "
@@ -629,29 +685,17 @@ def _scatter_impl(key, value, key_cache, value_cache, slot_mapping, *, cache_mod
     if slot_mapping.shape[0] != key.shape[0]:
         raise _scatter_error(TILING_ERROR, f"slot_mapping has {slot_mapping.shape[0]} slots for "
                              f"{key.shape[0]} tokens")
-    num_blocks, block_size = key_cache.shape[:2]
-    # The checks on a host list (fewer ops than on the tensor): the kernel's own read, which a
-    # capture's refusal of the product's .tolist() (sim/graph.py) does not apply to.
-    values = torch._C.TensorBase.tolist(slot_mapping)
-    if not values:
-        return
-    slots = slot_mapping.long()
-    low, high = min(values), max(values)
-    if low < 0:  # -1 marks a padded token: nothing is written for it
-        keep = slots >= 0
-        slots, key, value = slots[keep], key[keep], value[keep]
-        values = [v for v in values if v >= 0]
-    if high >= num_blocks * block_size:
-        raise _scatter_error(TILING_ERROR, f"slot {high} is out of range "
-                             f"[0, {num_blocks * block_size - 1}]")
-    if len(set(values)) != len(values):
-        raise _scatter_error(TILING_ERROR, "slot_mapping values must be unique")
-    # Contiguous [blocks, block_size, heads, head_size] caches: a slot is a row of the flat view.
-    key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slots, key)
-    value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slots, value)
 
 
 _lib.impl("npu_scatter_pa_kv_cache", kernel("npu_scatter_pa_kv_cache", _scatter_impl), "CPU")
+
+# What a graph replay calls for these in-place ops (sim/graph.py): the kernel without the checks
+# of its tensors and attributes, which the capture made as the chip's tiling does (a task update
+# may change host lists only); the checks of what changes between replays (FIA's host lists, the
+# slots' values the scatter reads) stay.
+REPLAY = {"npu_fused_infer_attention_score.out": _sampling(functools.partial(_fia_out_impl,
+                                                                             _replay=True)),
+          "npu_scatter_pa_kv_cache": functools.partial(_scatter_impl, _replay=True)}
 
 
 # -- norms, activation, rotary embedding ---------------------------------------------------------
