@@ -22,7 +22,7 @@ the record is frozen as a graph pool would leave it:
   no Python of the model in it, cut where a node waits on an ExternalEvent. The simulator's own
   kernels (``ascend_sim`` ops) are called as the Python functions they are, not through torch's
   dispatcher, and those with a form that writes into given outputs (``ops.REPLAY_INTO``, and
-  aten.linear's in ``matmul.REPLAY_INTO``) write into the graph's, as a captured task writes its
+  aten.linear's, ``matmul.prepare_linear``) write into the graph's, as a captured task writes its
   output buffers.
 
 A host synchronisation during capture (``.item()``, ``.tolist()``) or a device-to-host copy
@@ -816,13 +816,9 @@ def _compute_call(func, args, kwargs, targets, group):
     """A prepared call that recomputes ``func`` into ``targets`` (its captured outputs)."""
     if func in _COPIES:
         return (targets[0].copy_, (args[0],), {}, group)
-    into = _writer_of(func)
-    if into is not None:
-        def write_into(*a, **kw):
-            into(targets, *a, **kw)
-
-        write_into.func, write_into.kernel = func, into
-        return (write_into, args, kwargs, group)
+    write = _writer(func, args, kwargs, targets)
+    if write is not None:
+        return (write, args, kwargs, group)
     fast = _binding_with_out(func, args, kwargs, targets)
     if fast is not None:
         return (fast, args, dict(kwargs, out=targets[0]), group)
@@ -860,16 +856,25 @@ def _kernel_of(func, otherwise):
     return fn
 
 
-def _writer_of(func):
-    """A kernel writing ``func``'s results into given outputs, if it has one: an ascend_sim
-    op's (ops.REPLAY_INTO), aten's products (matmul.REPLAY_INTO)."""
-    table = {"ascend_sim": _ops.REPLAY_INTO, "aten": _matmul.REPLAY_INTO}.get(func.namespace)
-    if table is None or func._overloadname != "default":
+def _writer(func, args, kwargs, targets):
+    """A call that writes ``func``'s results into ``targets``, if the op has one: an ascend_sim
+    op's kernel (ops.REPLAY_INTO), aten.linear's product (matmul.prepare_linear)."""
+    if func._overloadname != "default":
         return None
-    into = table.get(func._schema.name.split("::")[1])
-    if into is not None:
-        _DIRECT[into] = func
-    return into
+    if func is torch.ops.aten.linear.default:
+        kernel = _matmul.prepare_linear
+        write = kernel(targets, *args, **kwargs)
+    else:
+        kernel = _ops.REPLAY_INTO.get(func._schema.name.split("::")[1]) \
+            if func.namespace == "ascend_sim" else None
+        if kernel is None:
+            return None
+
+        def write(*a, **kw):
+            kernel(targets, *a, **kw)
+    _DIRECT[kernel] = func
+    write.func, write.kernel = func, kernel
+    return write
 
 
 def _op_called(fn):

@@ -154,19 +154,20 @@ _CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 _KERNELS = {"mm": _mm, "mm.out": _mm_out, "addmm": _addmm, "addmm.out": _addmm_out}
 
 
-def _linear_into(outs, x, weight, bias=None):
-    """aten.linear written into a graph replay's output (sim/graph.py). Without a bias, on 2-D
-    rows, linear is mm.out into that output: called here as the dispatcher calls it, without
-    linear's decomposition and the boxed call into Python on the way (about 1 ms of a batch-1
-    SmolLM2 replay's 120 products)."""
-    if bias is None and x.dim() == 2 and _LIB is not None:
-        _mm_out(_CPU_KEYS, x, weight.t(), out=outs[0])
-    else:
-        torch._C._nn.linear(x, weight, bias, out=outs[0])
-
-
-# aten ops whose replay writes into the graph's outputs: ``into(outs, *args, **kwargs)``.
-REPLAY_INTO = {"linear": _linear_into}
+def prepare_linear(targets, x, weight, bias=None):
+    """aten.linear as a graph replay writes it into its output (sim/graph.py), prepared once for
+    these captured tensors, which every replay reads again: the views a product reads are made
+    now. Without a bias, on 2-D rows, linear is mm.out into the output; a one-row product calls
+    torch's kernel on its padded rows directly, as ``_mm`` does (a batch-1 SmolLM2 replay's 120
+    products took 1 ms more through linear's decomposition and the boxed call into Python)."""
+    out = targets[0]
+    if bias is not None or x.dim() != 2 or _LIB is None:
+        return lambda *_, **__: torch._C._nn.linear(x, weight, bias, out=out)
+    transposed = weight.t()
+    if _one_row(x, transposed):
+        kernel, rows = _ORIGINAL["mm"].kernel.call_boxed, _padded_rows(x)
+        return lambda *_, **__: out.copy_(kernel(_CPU_KEYS, rows, transposed)[:1])
+    return lambda *_, **__: _mm_out(_CPU_KEYS, x, transposed, out=out)
 
 
 class _Original:
