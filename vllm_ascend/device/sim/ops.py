@@ -133,7 +133,7 @@ def check_fia_tensors(query, key, value, atten_mask, block_table, num_heads,
                   f"float16 or bfloat16 (got {query.dtype}, {key.dtype}, {value.dtype})")
     _require_contiguous(err, query=query, key=key, value=value, atten_mask=atten_mask,
                         block_table=block_table)
-    t, n, d = query.shape
+    n, d = query.shape[1:]
     nkv = num_key_value_heads or num_heads
     if n != num_heads:
         raise err(TILING_ERROR, f"query's head number({n}) must be equal to "
