@@ -160,7 +160,7 @@ def products(x, w, w2, bias):
 @pytest.mark.parametrize("rows", [1, 2, 8, 12])
 def test_a_replays_products_write_what_eager_linear_returns(rows):
     """A replay writes aten.linear's products into the graph's outputs without the dispatcher
-    (matmul.REPLAY_INTO): the eager op's bits for one row (padded), a few and many (float32),
+    (matmul.prepare_linear): the eager op's bits for one row (padded), a few and many (float32),
     with and without a bias, each product counted as one replayed aten::linear."""
     from vllm_ascend.device.sim.ledger import Ledger
 
