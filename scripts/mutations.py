@@ -347,7 +347,7 @@ MUTATIONS = [
              ("tests/ut/test_sim_graph.py::"
               "test_a_replays_products_write_what_eager_linear_returns",)),
     Mutation("fia-one-request-reads-its-block-end",
-             "FIA's one-request path (a batch-1 decode within one block) reads the block's last "
+             "FIA's one-request path (a batch-1 prefill within one block) reads the block's last "
              "tokens instead of its first: attention over slots the request has not written",
              "vllm_ascend/device/sim/ops.py",
              "            return (x[block, :max_kv].view(1, max_kv, nkv, d) for x in "
@@ -355,7 +355,15 @@ MUTATIONS = [
              "            return (x[block, -max_kv:].view(1, max_kv, nkv, d) for x in "
              "(key, value))",
              ("tests/ut/test_sim_fia.py::"
-              "test_one_request_within_one_block_reads_its_first_block_in_place",)),
+              "test_one_request_within_one_block_reads_its_first_block_in_place[prefill]",)),
+    Mutation("fia-one-token-reads-the-next-block",
+             "FIA's one-token path (a batch-1 decode within one block) reads the block after the "
+             "table's: attention over another request's keys",
+             "vllm_ascend/device/sim/ops.py",
+             "                           x.storage_offset() + block * x.stride(0))",
+             "                           x.storage_offset() + (block + 1) * x.stride(0))",
+             ("tests/ut/test_sim_fia.py::"
+              "test_one_request_within_one_block_reads_its_first_block_in_place[decode]",)),
     Mutation("replayed-scatter-skips-its-slot-checks",
              "a replay's KV scatter, which skips the checks the capture made, skips the check of "
              "the slots it reads too: an out-of-range slot writes past the cache unreported",

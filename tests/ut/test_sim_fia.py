@@ -107,11 +107,13 @@ def test_a_decode_token_attends_the_same_bits_alone_or_in_any_batch(shared):
         assert torch.equal(alone, batch[r:r + 1]), r
 
 
-def test_one_request_within_one_block_reads_its_first_block_in_place():
-    # A batch-1 decode whose keys fit in one block reads that block where it lies (no gather):
-    # the table's first column, of a row that holds more blocks (as vLLM's rows do), and the
-    # same bits as the request attends with in a batch (which gathers its block).
-    case = Case([1, 1, 1], [9, 16, 3])
+@pytest.mark.parametrize("q_len", [1, 3], ids=["decode", "prefill"])
+def test_one_request_within_one_block_reads_its_first_block_in_place(q_len):
+    # A batch-1 step whose keys fit in one block reads that block where it lies (no gather):
+    # the table's first column, of a row that holds more blocks (as vLLM's rows do). A decode
+    # token (ops._attend_one_token) gets the same bits as in a batch, which gathers its block;
+    # a prefill (ops._paged_kv) the reference's values.
+    case = Case([q_len] * 3, [9, 16, 3])
     used = case.table.flatten().tolist()
     spare = [b for b in range(case.k4.shape[0]) if b not in used]
     case.table = torch.cat([case.table, torch.tensor(spare, dtype=torch.int32).view(3, 1)], 1)
@@ -120,9 +122,13 @@ def test_one_request_within_one_block_reads_its_first_block_in_place():
                     0.125)
     torch.testing.assert_close(batch.float(), ref, atol=2e-2, rtol=2e-2)
     for r in range(3):
-        alone, _ = case.run(query=case.q[r:r + 1], block_table=case.table[r:r + 1].contiguous(),
-                            actual_seq_lengths=[1], actual_seq_lengths_kv=[case.kv_lens[r]])
-        assert torch.equal(alone, batch[r:r + 1]), r
+        rows = slice(r * q_len, (r + 1) * q_len)
+        alone, _ = case.run(query=case.q[rows], block_table=case.table[r:r + 1].contiguous(),
+                            actual_seq_lengths=[q_len], actual_seq_lengths_kv=[case.kv_lens[r]])
+        if q_len == 1:
+            assert torch.equal(alone, batch[rows]), r
+        else:
+            torch.testing.assert_close(alone.float(), ref[rows], atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("q_len", [1, 3])

@@ -379,6 +379,10 @@ def fia_attend(query, key, value, block_table, actual_seq_lengths, actual_seq_le
     """The checked attention itself (FIA v1, and v2's dense path). ``sink``: FIA v2's
     learnable_sink, one logit per query head that joins each row's softmax with no value (the
     row's output scaled by sigmoid(lse - sink)), as GPT-OSS's attention sinks."""
+    if block_table is not None and q_lens == [1] and band is None and sink is None:
+        _attend_one_token(query, key, value, block_table, kv_lens[0], num_heads, nkv, d, scale,
+                          block_size, out)
+        return
     cu_q = list(actual_seq_lengths)
     q_starts = [c - q for c, q in zip(cu_q, q_lens)]
     single = [b for b, q in enumerate(q_lens) if q == 1]
@@ -394,6 +398,26 @@ def fia_attend(query, key, value, block_table, actual_seq_lengths, actual_seq_le
         _attend_padded(query, key, value, block_table, actual_seq_lengths_kv, longer, q_starts,
                        q_lens, kv_lens, num_heads, nkv, d, scale, sparse_mode, band, block_size,
                        out, sink)
+
+
+def _attend_one_token(query, key, value, block_table, length, num_heads, nkv, d, scale,
+                      block_size, out):
+    """A batch of one request of one query token (a batch-1 decode): _attend_single_tokens'
+    products, on views made directly (the same values in the same call shapes: the same bits,
+    tests/ut/test_sim_fia.py), in half its Python."""
+    block = torch._C.TensorBase.tolist(block_table[:, 0])[0]  # as _paged_kv reads it
+    if length <= block_size and 0 <= block < key.shape[0]:
+        # Within one block: its first tokens where they lie, heads first (the caches are
+        # contiguous [blocks, block_size, nkv * d], checked at capture).
+        kv = (x.as_strided((nkv, length, d), (d, nkv * d, 1),
+                           x.storage_offset() + block * x.stride(0)) for x in (key, value))
+    else:
+        kv = (x.view(length, nkv, d).permute(1, 0, 2)
+              for x in _paged_kv(key, value, block_table, length, block_size, nkv, d))
+    kf, vf = (x.to(torch.float32, memory_format=torch.contiguous_format) for x in kv)
+    qf = query.view(nkv, num_heads // nkv, d).float()
+    probs = torch.bmm(qf, kf.transpose(1, 2)).mul_(scale).softmax(-1)  # [nkv, g, L]
+    out.copy_(torch.bmm(probs, vf).view(1, num_heads, d))
 
 
 def _attend_single_tokens(query, key, value, block_table, batch_rows, token_rows, kv_lens,
