@@ -549,6 +549,7 @@ class SimGraph:
         self._inference = False
         self.segments: list = []  # [(calls, wait event or None)]
         self._group_calls: dict[int, list] = {}  # task group -> [(segment, index)]
+        self._update_tasks: dict = {}  # (task group, op) -> its [(segment, index)]
 
     # -- capture ------------------------------------------------------------------------------
     def begin(self) -> None:
@@ -716,7 +717,7 @@ class SimGraph:
             self._streams.acquire()
             self._extra_streams += 1
         self.segments = segments
-        self._group_calls = {}
+        self._group_calls, self._update_tasks = {}, {}
         for s, (seg_calls, _) in enumerate(segments):
             for i, call in enumerate(seg_calls):
                 if call[3] is not None:
@@ -727,8 +728,11 @@ class SimGraph:
         """Check a task update of the group's ``func`` node; returns the function that applies
         it (the node runs with the new host arguments from then on). Tensor arguments must be
         the captured ones (same address and shape)."""
-        found = [(s, i) for s, i in self._group_calls.get(group, ())
-                 if _DIRECT.get(self.segments[s][0][i][0], self.segments[s][0][i][0]) is func]
+        found = self._update_tasks.get((group, func))  # (an update keeps each node's kernel)
+        if found is None:
+            found = self._update_tasks[group, func] = [
+                (s, i) for s, i in self._group_calls.get(group, ())
+                if _DIRECT.get(self.segments[s][0][i][0], self.segments[s][0][i][0]) is func]
         if len(found) != 1:
             raise RuntimeError(f"graph_task_update: task group {group} holds {len(found)} "
                                f"{func} tasks, not 1: the update must re-issue the captured op")
@@ -738,6 +742,8 @@ class SimGraph:
         new = _flat_args(func, args, kwargs)
         for name, value in new.items():
             was = old.get(name)
+            if value is was:  # the same object (a tensor: the same address and shape now)
+                continue
             if isinstance(was, torch.Tensor) != isinstance(value, torch.Tensor) or (
                     isinstance(value, torch.Tensor) and (value.data_ptr() != was.data_ptr()
                                                          or value.shape != was.shape)):
@@ -797,7 +803,7 @@ class SimGraph:
 
     def reset(self) -> None:
         self.segments = []
-        self._group_calls = {}
+        self._group_calls, self._update_tasks = {}, {}
         if self._holds_stream:
             self._holds_stream = False
             self._streams.release()
