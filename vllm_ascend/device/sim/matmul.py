@@ -167,6 +167,9 @@ def prepare_linear(targets, x, weight, bias=None):
     if _one_row(x, transposed):
         kernel, rows = _ORIGINAL["mm"].kernel.call_boxed, _padded_rows(x)
         return lambda *_, **__: out.copy_(kernel(_CPU_KEYS, rows, transposed)[:1])
+    if not _fast(x, transposed):  # as _mm_out: torch's kernel, for the rows fixed at capture
+        kernel = _ORIGINAL["mm.out"].kernel.call_boxed
+        return lambda *_, **__: kernel(_CPU_KEYS, x, transposed, out=out)
     return lambda *_, **__: _mm_out(_CPU_KEYS, x, transposed, out=out)
 
 
