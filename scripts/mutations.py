@@ -350,10 +350,8 @@ MUTATIONS = [
              "FIA's one-request path (a batch-1 prefill within one block) reads the block's last "
              "tokens instead of its first: attention over slots the request has not written",
              "vllm_ascend/device/sim/ops.py",
-             "            return (x[block, :max_kv].view(1, max_kv, nkv, d) for x in "
-             "(key, value))",
-             "            return (x[block, -max_kv:].view(1, max_kv, nkv, d) for x in "
-             "(key, value))",
+             "        return (x[block, :max_kv].view(1, max_kv, nkv, d) for x in (key, value))",
+             "        return (x[block, -max_kv:].view(1, max_kv, nkv, d) for x in (key, value))",
              ("tests/ut/test_sim_fia.py::"
               "test_one_request_within_one_block_reads_its_first_block_in_place[prefill]",)),
     Mutation("fia-one-token-reads-the-next-block",

@@ -314,16 +314,23 @@ def _gather_rows(flat: torch.Tensor, starts: list[int], lens: list[int], width: 
     return flat[idx], valid
 
 
+def _one_block(key, block_table, max_kv, block_size) -> "int | None":
+    """The block of a batch of one request whose first max_kv tokens fit in it, to be read where
+    it lies (no gather); None otherwise, or when out of range (index_select refuses it). Its id
+    is read from the table as the kernel reads it (the scatter's slots alike)."""
+    if block_table.shape[0] != 1 or max_kv > block_size:
+        return None
+    block = torch._C.TensorBase.tolist(block_table[:, 0])[0]
+    return block if 0 <= block < key.shape[0] else None
+
+
 def _paged_kv(key, value, block_table, max_kv, block_size, nkv, d):
     """The first max_kv tokens of each row's blocks: [B, max_kv, nkv, d] keys and values."""
     batch = block_table.shape[0]
     nblk = max(1, -(-max_kv // block_size))
-    if nblk == 1 and batch == 1:
-        # One request within one block (a batch-1 decode): the block read where it lies, its id
-        # read from the table as the kernel reads it (the scatter's slots alike), no gather
-        block = torch._C.TensorBase.tolist(block_table[:, 0])[0]
-        if 0 <= block < key.shape[0]:  # (else index_select below refuses it)
-            return (x[block, :max_kv].view(1, max_kv, nkv, d) for x in (key, value))
+    block = _one_block(key, block_table, max_kv, block_size)
+    if block is not None:
+        return (x[block, :max_kv].view(1, max_kv, nkv, d) for x in (key, value))
     blocks = block_table[:, :nblk].reshape(-1)
     if nblk == 1:  # within one block: gather its first max_kv tokens only
         return (x[:, :max_kv].index_select(0, blocks).view(batch, max_kv, nkv, d)
@@ -405,10 +412,10 @@ def _attend_one_token(query, key, value, block_table, length, num_heads, nkv, d,
     """A batch of one request of one query token (a batch-1 decode): _attend_single_tokens'
     products, on views made directly (the same values in the same call shapes: the same bits,
     tests/ut/test_sim_fia.py), in half its Python."""
-    block = torch._C.TensorBase.tolist(block_table[:, 0])[0]  # as _paged_kv reads it
-    if length <= block_size and 0 <= block < key.shape[0]:
-        # Within one block: its first tokens where they lie, heads first (the caches are
-        # contiguous [blocks, block_size, nkv * d], checked at capture).
+    block = _one_block(key, block_table, length, block_size)
+    if block is not None:
+        # Its first tokens where they lie, heads first (the caches are contiguous [blocks,
+        # block_size, nkv * d]: check_fia_tensors, at capture for a replay).
         kv = (x.as_strided((nkv, length, d), (d, nkv * d, 1),
                            x.storage_offset() + block * x.stride(0)) for x in (key, value))
     else:
