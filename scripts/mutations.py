@@ -342,10 +342,65 @@ MUTATIONS = [
              "a replay's aten.linear with a bias takes the direct product path, which has no "
              "bias: a graph's biased projections (Qwen2's q/k/v) lose it",
              "vllm_ascend/device/sim/matmul.py",
-             "    if bias is not None or x.dim() != 2 or _LIB is None:",
-             "    if x.dim() != 2 or _LIB is None:",
+             "    if bias is not None:  # linear's addmm",
+             "    if False:  # linear's addmm",
              ("tests/ut/test_sim_graph.py::"
               "test_a_replays_products_write_what_eager_linear_returns",)),
+    Mutation("packed-product-drops-its-bias",
+             "a model's weight read packed loses the product's bias: every biased projection "
+             "(Qwen2's q/k/v) of 1 to 8 rows, eager and replayed alike",
+             "vllm_ascend/device/sim/matmul.py",
+             '        return _LINEAR(rows, self.packed, bias, "none", [], "")',
+             '        return _LINEAR(rows, self.packed, None, "none", [], "")',
+             ("tests/ut/test_sim_matmul.py::"
+              "test_a_parameters_products_read_it_packed_with_the_plain_tensors_bits",)),
+    Mutation("packed-product-one-row-unpadded",
+             "a one-row product read packed is not padded to two rows: on an AVX-512-BF16 CPU "
+             "oneDNN's one-row kernel gives other bits, and a batch-1 step parts from the same "
+             "request in a batch",
+             "vllm_ascend/device/sim/matmul.py",
+             "    rows = _padded_rows(a) if a.shape[0] == 1 else a",
+             "    rows = a",
+             ("tests/ut/test_sim_matmul.py::"
+              "test_a_parameters_products_read_it_packed_with_the_plain_tensors_bits",)),
+    Mutation("packed-weight-misses-in-place-writes",
+             "a weight's packed copy is not made again after an in-place write to the weight: "
+             "products read the weights as they were",
+             "vllm_ascend/device/sim/matmul.py",
+             "        stamp = (weight._version, _DATA_TAKEN[0], _acl.raw_writes(), "
+             "weight.data_ptr())",
+             "        stamp = (0, _DATA_TAKEN[0], _acl.raw_writes(), weight.data_ptr())",
+             ("tests/ut/test_sim_matmul.py::test_a_packed_weight_is_read_as_last_written",)),
+    Mutation("packed-weight-misses-data-writes",
+             "a write through .data (vLLM's weight loaders: a reload after sleep mode, new "
+             "weights from a trainer) leaves products reading the old weights",
+             "vllm_ascend/device/sim/matmul.py",
+             "    _DATA_TAKEN[0] += 1",
+             "    _DATA_TAKEN[0] += 0",
+             ("tests/ut/test_sim_matmul.py::test_a_packed_weight_is_read_as_last_written",)),
+    Mutation("packed-weight-misses-device-memory-writes",
+             "memory ACL discarded and mapped again (sleep mode) is read as it was before",
+             "vllm_ascend/device/sim/matmul.py",
+             "        stamp = (weight._version, _DATA_TAKEN[0], _acl.raw_writes(), "
+             "weight.data_ptr())",
+             "        stamp = (weight._version, _DATA_TAKEN[0], 0, weight.data_ptr())",
+             ("tests/ut/test_sim_matmul.py::test_a_packed_weight_is_read_as_last_written",)),
+    Mutation("packs-outlive-their-weights",
+             "a weight's packed copy stays after the weight is freed: host memory grows with "
+             "every engine a process starts",
+             "vllm_ascend/device/sim/matmul.py",
+             "        weakref.finalize(storage, _PACKS.pop, key, None)",
+             "        pass",
+             ("tests/ut/test_sim_matmul.py::"
+              "test_a_pack_lives_as_long_as_its_weights_memory_and_the_device",)),
+    Mutation("packs-outlive-their-engines",
+             "the packed copies stay when the device's last worker shuts down: vLLM keeps a "
+             "model's parameters alive, so each engine a process starts adds its packs",
+             "vllm_ascend/device/sim/matmul.py",
+             "        pack.stamp = pack.packed = None",
+             "        pass",
+             ("tests/ut/test_sim_matmul.py::"
+              "test_a_pack_lives_as_long_as_its_weights_memory_and_the_device",)),
     Mutation("fia-one-request-reads-its-block-end",
              "FIA's one-request path (a batch-1 prefill within one block) reads the block's last "
              "tokens instead of its first: attention over slots the request has not written",

@@ -157,20 +157,27 @@ def products(x, w, w2, bias):
     return torch.nn.functional.linear(x, w), torch.nn.functional.linear(x, w2, bias)
 
 
+@pytest.mark.parametrize("weights", ["tensors", "parameters"])
 @pytest.mark.parametrize("rows", [1, 2, 8, 12])
-def test_a_replays_products_write_what_eager_linear_returns(rows):
+def test_a_replays_products_write_what_eager_linear_returns(rows, weights):
     """A replay writes aten.linear's products into the graph's outputs without the dispatcher
     (matmul.prepare_linear): the eager op's bits for one row (padded), a few and many (float32),
-    with and without a bias, each product counted as one replayed aten::linear."""
+    with and without a bias, each product counted as one replayed aten::linear. A model's
+    weights (parameters) are read packed up to 8 rows, other tensors through torch's kernel."""
+    from vllm_ascend.device.sim import matmul
     from vllm_ascend.device.sim.ledger import Ledger
 
-    args = (torch.randn(rows, 64).to(BF16), torch.randn(96, 64).to(BF16),
-            torch.randn(32, 64).to(BF16), torch.randn(32).to(BF16))
+    with torch.inference_mode(False):  # a model's weights are made outside inference mode
+        w, w2 = torch.randn(96, 64).to(BF16), torch.randn(32, 64).to(BF16)
+        if weights == "parameters":
+            w, w2 = (torch.nn.Parameter(t, requires_grad=False) for t in (w, w2))
+    args = (torch.randn(rows, 64).to(BF16), w, w2, torch.randn(32).to(BF16))
     g, outs = capture(products, *args)
     args[0].copy_(torch.randn(rows, 64).to(BF16))
     with Ledger() as ledger:
         g.replay()
         npu.synchronize()
+    assert (matmul._pack_of(w).stamp is not None) == (weights == "parameters" and rows <= 8)
     for got, expected in zip(outs, products(*args)):
         assert torch.equal(got, expected)
     assert dict(ledger.replayed_ops) == {"aten::linear": 2}

@@ -2,10 +2,15 @@
 arithmetic rounded once, fast from 9 rows on, and batch-invariant, so that a graph's padded batch
 computes each real row exactly as the eager step."""
 
+import gc
+
 import pytest
 import torch
 
-from vllm_ascend.device.sim import matmul
+from vllm_ascend.device.sim import matmul, npu
+from vllm_ascend.device_allocator.vmm import NPUMemAllocator
+
+BF16 = torch.bfloat16
 
 # (in, out) features of the tiny test models' and SmolLM2's projections, and SmolLM2's LM head.
 SHAPES = [(64, 192), (64, 256), (128, 64), (576, 3072), (1536, 576), (576, 192), (576, 49152),
@@ -104,3 +109,77 @@ def test_rows_all_alike_take_one_rows_product_with_the_same_bits(dtype, rows, mo
         computed.clear()
         assert torch.equal(differs @ w.t(), whole(differs, w.t()).to(dtype))
         assert computed == [rows]
+
+
+def parameter(*shape) -> torch.nn.Parameter:
+    """A model's weight: a bf16 parameter, made outside inference mode."""
+    return torch.nn.Parameter(torch.randn(*shape).to(BF16), requires_grad=False)
+
+
+@pytest.mark.parametrize("k,n", SHAPES + [(4096, 11008)])
+def test_a_parameters_products_read_it_packed_with_the_plain_tensors_bits(k, n):
+    """A model's bf16 weight is read through oneDNN's packed copy by its products of 1 to 8 rows
+    (matmul._Pack): the bits of the same values in a plain tensor (torch's kernel), with and
+    without a bias. (One row is padded to two there too: on this project's AVX-512-BF16 EPYC,
+    a packed [1, 4096] x [4096, 11008] product has other bits than two rows' first.)"""
+    torch.manual_seed(4)
+    w, bias, x = parameter(n, k), torch.randn(n).to(BF16), torch.randn(8, k).to(BF16)
+    with torch.inference_mode():
+        for rows in range(1, 9):
+            for b in (None, bias):
+                got = torch.nn.functional.linear(x[:rows], w, b)
+                assert torch.equal(got, torch.nn.functional.linear(x[:rows], w.detach(), b))
+    pack = matmul._pack_of(w)
+    assert pack.stamp is not None and pack.packed is not None  # read packed
+
+
+@pytest.mark.parametrize("write", ["in_place", "through_data", "device_memory"])
+def test_a_packed_weight_is_read_as_last_written(write):
+    """Eager and replayed products read a weight's packed copy, which is made again after a
+    write by any path the simulator sees: an in-place op (the version counter), ``.data``
+    (vLLM's weight loaders) and ACL's device memory (sleep mode's discard and wake-up, after
+    which the contents are undefined: zeros here)."""
+    allocator = NPUMemAllocator()
+    with allocator.use_memory_pool("weights"):
+        w = parameter(96, 64)
+    x = torch.randn(2, 64).to(BF16)
+    with torch.inference_mode():
+        g = npu.NPUGraph()
+        with npu.graph(g):
+            out = torch.nn.functional.linear(x, w)
+        g.replay()
+        npu.synchronize()
+        assert torch.equal(out, torch.nn.functional.linear(x, w.detach()))
+    new = torch.randn(96, 64).to(BF16)
+    if write == "in_place":
+        w.copy_(new)
+    elif write == "through_data":
+        w.data.copy_(new)
+    else:
+        allocator.sleep(offload_tags=())
+        allocator.wake_up()
+    with torch.inference_mode():
+        expected = torch.nn.functional.linear(x, w.detach())  # torch's kernel: nothing packed
+        assert not torch.equal(out, expected)
+        assert torch.equal(torch.nn.functional.linear(x, w), expected)
+        g.replay()
+        npu.synchronize()
+        assert torch.equal(out, expected)
+
+
+def test_a_pack_lives_as_long_as_its_weights_memory_and_the_device():
+    """A weight's pack goes with its memory, and with the device's last worker (vLLM's compiled
+    code keeps a model's parameters alive after its engine): a later product packs again."""
+    w, x = parameter(32, 16), torch.randn(2, 16).to(BF16)
+    key = (w.untyped_storage().data_ptr(), 0, (32, 16))
+    with torch.inference_mode():
+        torch.nn.functional.linear(x, w)
+        assert matmul._PACKS[key].packed is not None
+        npu.release_device()  # (the test's fixture opened the device)
+        npu.set_device(0)
+        assert matmul._PACKS[key].packed is None
+        torch.nn.functional.linear(x, w)
+        assert matmul._PACKS[key].packed is not None
+    del w
+    gc.collect()
+    assert key not in matmul._PACKS

@@ -52,9 +52,16 @@ class _State:
         self.host: dict[int, int] = {}  # pinned host memory (malloc_host) -> size
         self.handles = itertools.count(1)
         self.unmapped_reservations = 0  # reservations without memory: replays check addresses
+        self.writes = 0  # maps, unmaps and copies into device memory: torch sees none of them
 
 
 _STATE = _State()
+
+
+def raw_writes() -> int:
+    """How many times ACL has mapped, unmapped or copied into device memory in this process:
+    writes no tensor's version counter sees (sim/matmul.py's packed weights are made again)."""
+    return _STATE.writes
 
 
 def _aligned(n) -> bool:
@@ -139,6 +146,7 @@ class rt:  # noqa: N801  (pyACL's module name)
                 return ACL_ERROR_RT_MEMORY_ALLOCATION
             _STATE.mapped[vir_ptr] = handle
             _STATE.unmapped_reservations -= 1
+            _STATE.writes += 1
         return ACL_SUCCESS
 
     @staticmethod
@@ -151,6 +159,7 @@ class rt:  # noqa: N801  (pyACL's module name)
             _libc.mprotect(vir_ptr, size, _PROT_NONE)
             del _STATE.mapped[vir_ptr]
             _STATE.unmapped_reservations += 1
+            _STATE.writes += 1
         return ACL_SUCCESS
 
     @staticmethod
@@ -185,6 +194,7 @@ class rt:  # noqa: N801  (pyACL's module name)
         if not _mapped(device_side, count) or not _in_host(host_side, count):
             return ACL_ERROR_RT_PARAM_INVALID
         ctypes.memmove(dst, src, count)
+        _STATE.writes += kind == ACL_MEMCPY_HOST_TO_DEVICE
         return ACL_SUCCESS
 
 

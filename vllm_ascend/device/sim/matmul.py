@@ -39,8 +39,14 @@ device from then on): aten's CPU kernels for mm and addmm (functional and ``.out
 in that process, and call the originals for every other dtype.
 """
 
+import logging
+import weakref
+
 import torch
 
+from vllm_ascend.device.sim import acl as _acl
+
+logger = logging.getLogger(__name__)
 FP32_FROM_ROWS = 9
 ONE_ROW_PADDED_TO = 2  # a one-row product runs torch's kernel on this many rows
 FIRST_BLOCK, LAST_BLOCK = 16, 512  # the float32 product's row blocks: 16, 16, 32, ..., 512
@@ -108,6 +114,9 @@ def _padded_rows(a: torch.Tensor) -> torch.Tensor:
 
 
 def _mm(keyset, a, b):
+    weight = _weight_of(a, b)
+    if weight is not None:
+        return _read_packed(a, weight, None)
     if _one_row(a, b):
         return _ORIGINAL["mm"].call_boxed(keyset, _padded_rows(a), b)[: a.shape[0]]
     if not _fast(a, b):
@@ -116,6 +125,9 @@ def _mm(keyset, a, b):
 
 
 def _mm_out(keyset, a, b, *, out):
+    weight = _weight_of(a, b)
+    if weight is not None:
+        return out.copy_(_read_packed(a, weight, None))
     if _one_row(a, b):
         return out.copy_(_mm(keyset, a, b))
     if not _fast(a, b):
@@ -133,6 +145,9 @@ def _addmm_fp32(bias, a, b, beta, alpha) -> torch.Tensor:
 
 
 def _addmm(keyset, bias, a, b, *, beta=1, alpha=1):
+    weight = _weight_of(a, b, bias, beta, alpha)
+    if weight is not None:
+        return _read_packed(a, weight, bias)
     if _one_row(a, b) and (bias.dim() < 2 or bias.shape[0] == 1):  # a bias row, broadcast
         return _ORIGINAL["addmm"].call_boxed(keyset, bias, _padded_rows(a), b, beta=beta,
                                              alpha=alpha)[: a.shape[0]]
@@ -142,6 +157,9 @@ def _addmm(keyset, bias, a, b, *, beta=1, alpha=1):
 
 
 def _addmm_out(keyset, bias, a, b, *, beta=1, alpha=1, out):
+    weight = _weight_of(a, b, bias, beta, alpha)
+    if weight is not None:
+        return out.copy_(_read_packed(a, weight, bias))
     if _one_row(a, b) and (bias.dim() < 2 or bias.shape[0] == 1):
         return out.copy_(_addmm(keyset, bias, a, b, beta=beta, alpha=alpha))
     if not _fast(a, b) or bias.dtype != a.dtype:
@@ -157,11 +175,18 @@ _KERNELS = {"mm": _mm, "mm.out": _mm_out, "addmm": _addmm, "addmm.out": _addmm_o
 def prepare_linear(targets, x, weight, bias=None):
     """aten.linear as a graph replay writes it into its output (sim/graph.py), prepared once for
     these captured tensors, which every replay reads again: the views a product reads are made
-    now. Without a bias, on 2-D rows, linear is mm.out into the output; a one-row product calls
-    torch's kernel on its padded rows directly, as ``_mm`` does (a batch-1 SmolLM2 replay's 120
-    products took 1 ms more through linear's decomposition and the boxed call into Python)."""
+    now. A bfloat16 product of at most 8 rows reads its weight packed (``_Pack``); other small
+    products call torch's kernel directly, as ``_mm`` does for the rows fixed at capture (a
+    batch-1 SmolLM2 replay's 120 products took 1 ms more through linear's decomposition and the
+    boxed call into Python)."""
     out = targets[0]
-    if bias is not None or x.dim() != 2 or _LIB is None:
+    if x.dim() != 2 or _LIB is None:
+        return lambda *_, **__: torch._C._nn.linear(x, weight, bias, out=out)
+    owner = _parameter_of(weight)  # a capture passes a parameter's plain alias
+    if owner is not None and _packable(x, owner, bias):
+        pack, rows, n = _pack_of(owner), _padded_rows(x) if x.shape[0] == 1 else x, x.shape[0]
+        return lambda *_, **__: out.copy_(pack.product(rows, owner, bias)[:n])
+    if bias is not None:  # linear's addmm
         return lambda *_, **__: torch._C._nn.linear(x, weight, bias, out=out)
     transposed = weight.t()
     if _one_row(x, transposed):
@@ -171,6 +196,141 @@ def prepare_linear(targets, x, weight, bias=None):
         kernel = _ORIGINAL["mm.out"].kernel.call_boxed
         return lambda *_, **__: kernel(_CPU_KEYS, x, transposed, out=out)
     return lambda *_, **__: _mm_out(_CPU_KEYS, x, transposed, out=out)
+
+
+# -- a weight read packed ------------------------------------------------------------------------
+PACKED_FOR_ROWS = 8  # oneDNN packs for this many rows; the bits are the same for 1 to 8
+_PACKS: dict = {}  # (storage address, offset, shape) -> _Pack
+_AGREES: dict = {}  # (weight shape, bias) -> whether packed products give _mm's bits here
+_DATA_TAKEN = [0]  # `.data` taken of any tensor in this process
+_BF16 = torch.bfloat16
+_LINEAR_PACKED = torch.backends.mkldnn.is_available()
+_LINEAR = torch.ops.mkldnn._linear_pointwise.default if _LINEAR_PACKED else None
+
+
+def _packable(x, weight, bias) -> bool:
+    return (_LINEAR_PACKED and x.dtype is _BF16 and weight.dtype is _BF16
+            and x.shape[0] < FP32_FROM_ROWS and x.is_contiguous() and weight.dim() == 2
+            and weight.is_contiguous() and x.shape[1] == weight.shape[1]
+            and not weight.is_inference()
+            and (bias is None or (bias.dtype is _BF16 and bias.dim() == 1)))
+
+
+def _pack_of(weight) -> "_Pack":
+    """The pack of ``weight``'s memory, shared by every product that reads it."""
+    storage = weight.untyped_storage()
+    key = (storage.data_ptr(), weight.storage_offset(), tuple(weight.shape))
+    pack = _PACKS.get(key)
+    if pack is None or pack.storage() is not storage:
+        pack = _PACKS[key] = _Pack(storage)
+        weakref.finalize(storage, _PACKS.pop, key, None)
+    return pack
+
+
+def release_packs() -> None:
+    """The device's last worker shut down: every packed copy goes (a later product makes its
+    weight's again). vLLM's compiled code keeps a model's parameters alive after its engine in
+    the same process, and would keep their packs (270 MB an engine of SmolLM2)."""
+    for pack in _PACKS.values():
+        pack.stamp = pack.packed = None
+
+
+class _Pack:
+    """oneDNN's blocked copy of a model's bfloat16 weight (an nn.Parameter [n, k]), which its
+    products of 1 to 8 rows read, eager or replayed. torch's bf16 kernel hands oneDNN the plain
+    weight, which it reorders into such a layout at every call (a SmolLM2 step's 121 products
+    of one row: 6.1 ms packed, 12-15 ms through torch's kernel, 13.7 through oneDNN's given the
+    plain weight). The bits are the same as ``_mm``'s and ``_addmm``'s for 1 to 8 rows, checked
+    once per weight shape (``_agrees``): where they differ, the product keeps torch's kernel.
+
+    The copy is the simulator's host memory, not the device's. It is made again before a
+    product when the weight may have been written since it was made: its version counter
+    moved (an in-place op on it or on a view of it), its memory moved, a ``.data`` of any tensor
+    was taken (vLLM's weight loaders write through ``param.data``, which has a counter of its
+    own), or ACL mapped or copied into device memory (sleep mode: acl.raw_writes). A write none
+    of these sees, a collective or a NumPy array writing into the weight's memory, is missed:
+    the product then reads the weight as it was packed."""
+
+    def __init__(self, storage):
+        self.storage = weakref.ref(storage)
+        self.stamp, self.packed = None, None
+
+    def product(self, rows, weight, bias):
+        """rows @ weight.T (+ bias), rows as ``_mm`` gives them to torch's kernel."""
+        stamp = (weight._version, _DATA_TAKEN[0], _acl.raw_writes(), weight.data_ptr())
+        if stamp != self.stamp:
+            self.stamp, self.packed = stamp, _packed(weight, bias)
+        if self.packed is None:
+            return _unpacked(rows, weight, bias)
+        return _LINEAR(rows, self.packed, bias, "none", [], "")
+
+
+def _unpacked(rows, weight, bias):
+    """What ``_mm`` and ``_addmm`` compute for 1 to 8 rows: torch's kernel."""
+    if bias is None:
+        return _ORIGINAL["mm"](rows, weight.t())
+    return _ORIGINAL["addmm"](bias, rows, weight.t())
+
+
+def _read_packed(a, weight, bias):
+    rows = _padded_rows(a) if a.shape[0] == 1 else a
+    return _pack_of(weight).product(rows, weight, bias)[: a.shape[0]]
+
+
+def _parameter_of(t):
+    """The model's weight (an nn.Parameter) t is, itself or its alias. Other tensors change
+    from call to call (activations, LoRA's stacked weights) and are not packed."""
+    if isinstance(t, torch.nn.Parameter):
+        return t
+    base = t._base
+    if (isinstance(base, torch.nn.Parameter) and t.data_ptr() == base.data_ptr()
+            and t.shape == base.shape and t.stride() == base.stride()):
+        return base
+    return None
+
+
+def _weight_of(a, b, bias=None, beta=1, alpha=1):
+    """The weight whose pack an eager product a @ b (+ bias) reads: a model's parameter
+    [n, k] seen transposed (aten.linear's view), with 1 to 8 rows of a."""
+    if beta != 1 or alpha != 1 or b.dim() != 2 or b._base is None:
+        return None
+    weight = _parameter_of(b.t())
+    if weight is None or not _packable(a, weight, bias):
+        return None
+    return weight
+
+
+def _packed(weight, bias):
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACKED_FOR_ROWS)
+    key = (tuple(weight.shape), bias is not None)
+    if key not in _AGREES:
+        _AGREES[key] = _agrees(weight, packed, bias)
+        if not _AGREES[key]:
+            logger.warning("simulator: oneDNN's packed product of a %s weight does not give "
+                           "torch's bits on this CPU; its products keep torch's kernel",
+                           list(weight.shape))
+    return packed if _AGREES[key] else None
+
+
+def _agrees(weight, packed, bias) -> bool:
+    """Whether the packed product gives each of 1 to 8 probe rows linear's bits (``_mm``)."""
+    probe = torch.randn(PACKED_FOR_ROWS, weight.shape[1],
+                        generator=torch.Generator().manual_seed(0)).to(_BF16)
+    for n in range(1, PACKED_FOR_ROWS + 1):
+        rows = _padded_rows(probe[:1]) if n == 1 else probe[:n]
+        got = _LINEAR(rows, packed, bias, "none", [], "")[:n]
+        if not torch.equal(got.view(torch.int16),
+                           _unpacked(rows, weight, bias)[:n].view(torch.int16)):
+            return False
+    return True
+
+
+_DATA = torch._C.TensorBase.data
+
+
+def _data_get(tensor):
+    _DATA_TAKEN[0] += 1
+    return _DATA.__get__(tensor)
 
 
 class _Original:
@@ -200,4 +360,7 @@ def install() -> None:
         warnings.simplefilter("ignore", UserWarning)
         for name, kernel in _KERNELS.items():
             lib.impl(name, kernel, "CPU", with_keyset=True)
+    # `.data` is a tensor with a version counter of its own: a write through it (vLLM's weight
+    # loaders) moves no counter a packed weight can check, so taking it is counted instead.
+    torch.Tensor.data = property(_data_get, _DATA.__set__, doc=_DATA.__doc__)
     _LIB = lib
