@@ -15,8 +15,9 @@ EOS ignored), and ms/step is the difference over N. One engine at a time (HF's m
 beside it; one of them runs at any moment), after a warm-up generation, the fastest of 3 runs.
 Ratios are speed ratios (higher is faster) against eager and against HF in the same run:
 against HF's runs interleaved with the engine's ('HF alongside': their runs alternate, so a
-slow spell of the machine falls on both). The 'gemm' row is the floor: the step's matrix
-products alone. The W8A8 exports of the tiny Llama (docs/quantization.md) are compared with the
+slow spell of the machine falls on both). The 'gemm' row is HF's floor: the step's matrix
+products alone, through torch's F.linear as HF computes them (the simulator reads a model's
+weights packed, sim/matmul.py, and its products take less). The W8A8 exports of the tiny Llama (docs/quantization.md) are compared with the
 bf16 model ('vs tiny'): on the simulator that measures the quantized operators' host overhead, not
 the chip's int8 speed
 ('hf' and 'gemm' rows are skipped for them). 'tiny-lora' is the tiny Llama with LoRA on (rank 8 on
@@ -83,8 +84,8 @@ def load_hf(path: str):
 
 def gemm_floor_ms(path: str, batch: int, repeats: int = 20) -> float:
     """The step's matrix products alone: every Linear of the model (the LM head included) once
-    on `batch` bf16 rows, back to back, the fastest of `repeats` passes. No engine can decode
-    faster on this CPU without changing the dtype."""
+    on `batch` bf16 rows through torch's F.linear, back to back, the fastest of `repeats` passes:
+    HF's floor. (The simulator's products read a model's weights packed and take less.)"""
     import torch
 
     model = load_hf(path)

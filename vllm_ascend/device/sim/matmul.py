@@ -34,6 +34,12 @@ profile run's 8192 tokens and the warm-up run before each capture size are token
 The check costs one comparison of the rows, against a product that costs a row's comparison
 times the output's width.
 
+A model's bfloat16 weight (an nn.Parameter) is read by its products of 1 to 8 rows, eager and
+replayed, through oneDNN's packed copy of it (``_Pack``): torch's kernel reorders the weight at
+every call, which made the products of a SmolLM2 decode step cost about twice their reads. The
+bits are those of torch's kernel (checked once per shape); the copy is made again when the
+weight may have been written.
+
 Installed once, by ``install()``, in a process that opens a simulated device (its CPU is the
 device from then on): aten's CPU kernels for mm and addmm (functional and ``.out``) are replaced
 in that process, and call the originals for every other dtype.
