@@ -359,7 +359,7 @@ MUTATIONS = [
              "oneDNN's one-row kernel gives other bits, and a batch-1 step parts from the same "
              "request in a batch",
              "vllm_ascend/device/sim/matmul.py",
-             "    rows = _padded_rows(a) if a.shape[0] == 1 else a",
+             "    rows = _padded_rows(a)",
              "    rows = a",
              ("tests/ut/test_sim_matmul.py::"
               "test_a_parameters_products_read_it_packed_with_the_plain_tensors_bits",)),

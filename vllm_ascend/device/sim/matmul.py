@@ -114,9 +114,10 @@ def _one_row(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _padded_rows(a: torch.Tensor) -> torch.Tensor:
-    """a's one row, repeated to ONE_ROW_PADDED_TO rows (a view): torch's kernel for several
-    rows, which gives row 0 the same bits whatever the others hold."""
-    return a.expand(ONE_ROW_PADDED_TO, -1)
+    """The rows torch's kernel is given: one row repeated to ONE_ROW_PADDED_TO rows (a view),
+    torch's kernel for several rows, which gives row 0 the same bits whatever the others hold;
+    more rows as they are."""
+    return a.expand(ONE_ROW_PADDED_TO, -1) if a.shape[0] == 1 else a
 
 
 def _mm(keyset, a, b):
@@ -190,7 +191,7 @@ def prepare_linear(targets, x, weight, bias=None):
         return lambda *_, **__: torch._C._nn.linear(x, weight, bias, out=out)
     owner = _parameter_of(weight)  # a capture passes a parameter's plain alias
     if owner is not None and _packable(x, owner, bias):
-        pack, rows, n = _pack_of(owner), _padded_rows(x) if x.shape[0] == 1 else x, x.shape[0]
+        pack, rows, n = _pack_of(owner), _padded_rows(x), x.shape[0]
         return lambda *_, **__: out.copy_(pack.product(rows, owner, bias)[:n])
     if bias is not None:  # linear's addmm
         return lambda *_, **__: torch._C._nn.linear(x, weight, bias, out=out)
@@ -207,7 +208,7 @@ def prepare_linear(targets, x, weight, bias=None):
 # -- a weight read packed ------------------------------------------------------------------------
 PACKED_FOR_ROWS = 8  # oneDNN packs for this many rows; the bits are the same for 1 to 8
 _PACKS: dict = {}  # (storage address, offset, shape) -> _Pack
-_AGREES: dict = {}  # (weight shape, bias) -> whether packed products give _mm's bits here
+_AGREES: dict = {}  # weight shape -> whether packed products give _mm's bits on this CPU
 _DATA_TAKEN = [0]  # `.data` taken of any tensor in this process
 _BF16 = torch.bfloat16
 _LINEAR_PACKED = torch.backends.mkldnn.is_available()
@@ -265,7 +266,7 @@ class _Pack:
         """rows @ weight.T (+ bias), rows as ``_mm`` gives them to torch's kernel."""
         stamp = (weight._version, _DATA_TAKEN[0], _acl.raw_writes(), weight.data_ptr())
         if stamp != self.stamp:
-            self.stamp, self.packed = stamp, _packed(weight, bias)
+            self.stamp, self.packed = stamp, _packed(weight)
         if self.packed is None:
             return _unpacked(rows, weight, bias)
         return _LINEAR(rows, self.packed, bias, "none", [], "")
@@ -279,7 +280,7 @@ def _unpacked(rows, weight, bias):
 
 
 def _read_packed(a, weight, bias):
-    rows = _padded_rows(a) if a.shape[0] == 1 else a
+    rows = _padded_rows(a)
     return _pack_of(weight).product(rows, weight, bias)[: a.shape[0]]
 
 
@@ -306,11 +307,11 @@ def _weight_of(a, b, bias=None, beta=1, alpha=1):
     return weight
 
 
-def _packed(weight, bias):
+def _packed(weight):
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACKED_FOR_ROWS)
-    key = (tuple(weight.shape), bias is not None)
+    key = tuple(weight.shape)
     if key not in _AGREES:
-        _AGREES[key] = _agrees(weight, packed, bias)
+        _AGREES[key] = _agrees(weight, packed)
         if not _AGREES[key]:
             logger.warning("simulator: oneDNN's packed product of a %s weight does not give "
                            "torch's bits on this CPU; its products keep torch's kernel",
@@ -318,16 +319,19 @@ def _packed(weight, bias):
     return packed if _AGREES[key] else None
 
 
-def _agrees(weight, packed, bias) -> bool:
-    """Whether the packed product gives each of 1 to 8 probe rows linear's bits (``_mm``)."""
-    probe = torch.randn(PACKED_FOR_ROWS, weight.shape[1],
-                        generator=torch.Generator().manual_seed(0)).to(_BF16)
+def _agrees(weight, packed) -> bool:
+    """Whether the packed product gives 1 to 8 probe rows torch's bits (``_mm``, ``_addmm``),
+    without and with a bias."""
+    random = torch.Generator().manual_seed(0)
+    probe = torch.randn(PACKED_FOR_ROWS, weight.shape[1], generator=random).to(_BF16)
+    probe_bias = torch.randn(weight.shape[0], generator=random).to(_BF16)
     for n in range(1, PACKED_FOR_ROWS + 1):
-        rows = _padded_rows(probe[:1]) if n == 1 else probe[:n]
-        got = _LINEAR(rows, packed, bias, "none", [], "")[:n]
-        if not torch.equal(got.view(torch.int16),
-                           _unpacked(rows, weight, bias)[:n].view(torch.int16)):
-            return False
+        rows = _padded_rows(probe[:n])
+        for bias in (None, probe_bias):
+            got = _LINEAR(rows, packed, bias, "none", [], "")
+            if not torch.equal(got.view(torch.int16),
+                               _unpacked(rows, weight, bias).view(torch.int16)):
+                return False
     return True
 
 

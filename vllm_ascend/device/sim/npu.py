@@ -763,9 +763,10 @@ def release_device() -> None:
     may open the device, and a worker that opens it next starts from an empty device."""
     global _workers
     _workers = max(_workers - 1, 0)
-    if _workers == 0:
-        _matmul.release_packs()
-    if _workers == 0 and _context is not None and devices_in_use().get(_context) == os.getpid():
+    if _workers:
+        return
+    _matmul.release_packs()
+    if _context is not None and devices_in_use().get(_context) == os.getpid():
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(_registry(), f"device-{_context}"))
 
