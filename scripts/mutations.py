@@ -393,6 +393,14 @@ MUTATIONS = [
              "        pass",
              ("tests/ut/test_sim_matmul.py::"
               "test_a_pack_lives_as_long_as_its_weights_memory_and_the_device",)),
+    Mutation("packs-counted-as-device-memory",
+             "the simulator counts a model's packed weights as device memory: its KV cache and "
+             "start-up figures differ from the chip's by a second copy of the weights",
+             "vllm_ascend/device/sim/matmul.py",
+             "    _memory.simulator_holds(nbytes)",
+             "    pass",
+             ("tests/ut/test_sim_matmul.py::"
+              "test_a_pack_is_the_simulators_memory_not_the_devices",)),
     Mutation("packs-outlive-their-engines",
              "the packed copies stay when the device's last worker shuts down: vLLM keeps a "
              "model's parameters alive, so each engine a process starts adds its packs",

@@ -7,7 +7,7 @@ import gc
 import pytest
 import torch
 
-from vllm_ascend.device.sim import matmul, npu
+from vllm_ascend.device.sim import matmul, memory, npu
 from vllm_ascend.device_allocator.vmm import NPUMemAllocator
 
 BF16 = torch.bfloat16
@@ -183,3 +183,18 @@ def test_a_pack_lives_as_long_as_its_weights_memory_and_the_device():
     del w
     gc.collect()
     assert key not in matmul._PACKS
+
+
+def test_a_pack_is_the_simulators_memory_not_the_devices():
+    """The simulator counts the C heap as the device's memory (sim/memory.py): a weight's packed
+    copy is host memory a chip would not hold, so it is not counted, while it lives or after."""
+    held = memory._ACCOUNT.simulator
+    w, x = parameter(8192, 1024), torch.randn(2, 1024).to(BF16)  # a 16 MB weight
+    before = memory.allocated()
+    with torch.inference_mode():
+        torch.nn.functional.linear(x, w)
+    assert memory._ACCOUNT.simulator - held >= w.nbytes
+    assert memory.allocated() - before < w.nbytes // 4  # oneDNN's primitive, the output
+    del w
+    gc.collect()
+    assert memory._ACCOUNT.simulator == held

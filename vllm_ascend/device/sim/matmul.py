@@ -37,7 +37,7 @@ times the output's width.
 A model's bfloat16 weight (an nn.Parameter) is read by its products of 1 to 8 rows, eager and
 replayed, through oneDNN's packed copy of it (``_Pack``): torch's kernel reorders the weight at
 every call, which made the products of a SmolLM2 decode step cost about twice their reads. The
-bits are those of torch's kernel (checked once per shape); the copy is made again when the
+bits are those of torch's kernel (tests/ut/test_sim_matmul.py); the copy is made again when the
 weight may have been written.
 
 Installed once, by ``install()``, in a process that opens a simulated device (its CPU is the
@@ -45,14 +45,13 @@ device from then on): aten's CPU kernels for mm and addmm (functional and ``.out
 in that process, and call the originals for every other dtype.
 """
 
-import logging
 import weakref
 
 import torch
 
 from vllm_ascend.device.sim import acl as _acl
+from vllm_ascend.device.sim import memory as _memory
 
-logger = logging.getLogger(__name__)
 FP32_FROM_ROWS = 9
 ONE_ROW_PADDED_TO = 2  # a one-row product runs torch's kernel on this many rows
 FIRST_BLOCK, LAST_BLOCK = 16, 512  # the float32 product's row blocks: 16, 16, 32, ..., 512
@@ -208,7 +207,6 @@ def prepare_linear(targets, x, weight, bias=None):
 # -- a weight read packed ------------------------------------------------------------------------
 PACKED_FOR_ROWS = 8  # oneDNN packs for this many rows; the bits are the same for 1 to 8
 _PACKS: dict = {}  # (storage address, offset, shape) -> _Pack
-_AGREES: dict = {}  # weight shape -> whether packed products give _mm's bits on this CPU
 _DATA_TAKEN = [0]  # `.data` taken of any tensor in this process
 _BF16 = torch.bfloat16
 _LINEAR_PACKED = torch.backends.mkldnn.is_available()
@@ -247,11 +245,14 @@ class _Pack:
     products of 1 to 8 rows read, eager or replayed. torch's bf16 kernel hands oneDNN the plain
     weight, which it reorders into such a layout at every call (a SmolLM2 step's 121 products
     of one row: 6.1 ms packed, 12-15 ms through torch's kernel, 13.7 through oneDNN's given the
-    plain weight). The bits are the same as ``_mm``'s and ``_addmm``'s for 1 to 8 rows, checked
-    once per weight shape (``_agrees``): where they differ, the product keeps torch's kernel.
+    plain weight). The bits are those torch's kernel gives 1 to 8 rows (one padded to two) on
+    this project's CPU, which tests/ut/test_sim_matmul.py checks: a CPU where they differ fails
+    it. (Checking at run time made two oneDNN primitives, kept in its cache, for each row count
+    and shape: 63 MB more in a SmolLM2 capture, which the simulator counts as the device's.)
 
-    The copy is the simulator's host memory, not the device's. It is made again before a
-    product when the weight may have been written since it was made: its version counter
+    The copy is the simulator's host memory, not the device's (sim/memory.py does not count
+    it). It is made again before a product when the weight may have been written since it was
+    made: its version counter
     moved (an in-place op on it or on a view of it), its memory moved, a ``.data`` of any tensor
     was taken (vLLM's weight loaders write through ``param.data``, which has a counter of its
     own), or ACL mapped or copied into device memory (sleep mode: acl.raw_writes). A write none
@@ -267,16 +268,7 @@ class _Pack:
         stamp = (weight._version, _DATA_TAKEN[0], _acl.raw_writes(), weight.data_ptr())
         if stamp != self.stamp:
             self.stamp, self.packed = stamp, _packed(weight)
-        if self.packed is None:
-            return _unpacked(rows, weight, bias)
         return _LINEAR(rows, self.packed, bias, "none", [], "")
-
-
-def _unpacked(rows, weight, bias):
-    """What ``_mm`` and ``_addmm`` compute for 1 to 8 rows: torch's kernel."""
-    if bias is None:
-        return _ORIGINAL["mm"](rows, weight.t())
-    return _ORIGINAL["addmm"](bias, rows, weight.t())
 
 
 def _read_packed(a, weight, bias):
@@ -308,31 +300,12 @@ def _weight_of(a, b, bias=None, beta=1, alpha=1):
 
 
 def _packed(weight):
+    heap = _memory.heap()
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACKED_FOR_ROWS)
-    key = tuple(weight.shape)
-    if key not in _AGREES:
-        _AGREES[key] = _agrees(weight, packed)
-        if not _AGREES[key]:
-            logger.warning("simulator: oneDNN's packed product of a %s weight does not give "
-                           "torch's bits on this CPU; its products keep torch's kernel",
-                           list(weight.shape))
-    return packed if _AGREES[key] else None
-
-
-def _agrees(weight, packed) -> bool:
-    """Whether the packed product gives 1 to 8 probe rows torch's bits (``_mm``, ``_addmm``),
-    without and with a bias."""
-    random = torch.Generator().manual_seed(0)
-    probe = torch.randn(PACKED_FOR_ROWS, weight.shape[1], generator=random).to(_BF16)
-    probe_bias = torch.randn(weight.shape[0], generator=random).to(_BF16)
-    for n in range(1, PACKED_FOR_ROWS + 1):
-        rows = _padded_rows(probe[:n])
-        for bias in (None, probe_bias):
-            got = _LINEAR(rows, packed, bias, "none", [], "")
-            if not torch.equal(got.view(torch.int16),
-                               _unpacked(rows, weight, bias).view(torch.int16)):
-                return False
-    return True
+    nbytes = _memory.heap() - heap  # the simulator's host memory, not the device's
+    _memory.simulator_holds(nbytes)
+    weakref.finalize(packed, _memory.simulator_holds, -nbytes)
+    return packed
 
 
 _DATA = torch._C.TensorBase.data

@@ -21,6 +21,8 @@ Here the host is the device, so:
   communicator's first collective, the simulator at its creation, the stricter reading).
   CANN's default is 200 MB on a 64 GiB chip; unset, the simulator scales it to its device
   (``hccl_buffer_bytes``).
+* **the simulator's own** host memory on the heap is not the device's: a model's weights packed
+  for the CPU's products (sim/matmul.py) are subtracted, as the simulator measures them.
 * **physical memory** that the runtime's virtual memory calls allocate (sim/acl.py: sleep mode's
   pool) is torch's too, counted from those calls, since it lives outside the heap.
 * **out of memory**: when the two together exceed the device, the next look at the device's
@@ -73,6 +75,7 @@ class _Account:
         self.outside: dict[str, int] = {}  # what holds memory outside torch -> bytes
         self.physical = 0  # sim/acl.py's physical memory, which a pool of torch's allocator holds
         self.moving = 0  # heap bytes of a storage being moved into a pool (sim/mempool.py)
+        self.simulator = 0  # heap bytes the simulator holds for itself (sim/matmul.py's packs)
 
 
 _ACCOUNT = _Account()
@@ -88,7 +91,8 @@ def allocated() -> int:
     """What torch's allocator holds on the device now; the peak follows it."""
     if _ACCOUNT.base is None:
         return _ACCOUNT.physical
-    current = max(_heap() - _ACCOUNT.base - _ACCOUNT.moving, 0) + _ACCOUNT.physical
+    current = max(_heap() - _ACCOUNT.base - _ACCOUNT.moving - _ACCOUNT.simulator, 0) \
+        + _ACCOUNT.physical
     if current > _ACCOUNT.peak:
         _ACCOUNT.peak = current
     return current
@@ -124,6 +128,17 @@ def moving(nbytes: int):
         yield
     finally:
         _ACCOUNT.moving -= nbytes
+
+
+def simulator_holds(nbytes: int) -> None:
+    """The simulator took ``nbytes`` of the heap for itself (negative: gave them back): host
+    memory a chip would not hold, so not the device's."""
+    _ACCOUNT.simulator += nbytes
+
+
+def heap() -> int:
+    """The process's C heap in use, for the simulator to measure what it takes for itself."""
+    return _heap()
 
 
 def can_allocate(nbytes: int, total: int) -> bool:
