@@ -252,12 +252,11 @@ class _Pack:
 
     The copy is the simulator's host memory, not the device's (sim/memory.py does not count
     it). It is made again before a product when the weight may have been written since it was
-    made: its version counter
-    moved (an in-place op on it or on a view of it), its memory moved, a ``.data`` of any tensor
-    was taken (vLLM's weight loaders write through ``param.data``, which has a counter of its
-    own), or ACL mapped or copied into device memory (sleep mode: acl.raw_writes). A write none
-    of these sees, a collective or a NumPy array writing into the weight's memory, is missed:
-    the product then reads the weight as it was packed."""
+    made: its version counter moved (an in-place op on it or on a view of it), its memory moved,
+    a ``.data`` of any tensor was taken (vLLM's weight loaders write through ``param.data``,
+    which has a counter of its own), or ACL mapped or copied into device memory (sleep mode:
+    acl.raw_writes). A write none of these sees, a collective or a NumPy array writing into the
+    weight's memory, is missed: the product then reads the weight as it was packed."""
 
     def __init__(self, storage):
         self.storage = weakref.ref(storage)
