@@ -22,6 +22,13 @@ def installed():
     matmul.install()  # (the device fixture opens a simulated device, which installs it too)
 
 
+# oneDNN packs bf16 weights on an AVX-512 (or AVX-NE-CONVERT) CPU only; elsewhere every product
+# keeps torch's kernel, and the tests of packs have nothing to test.
+PACKS = matmul.cpu_packs_bf16()
+needs_packs = pytest.mark.skipif(not PACKS, reason="this CPU's oneDNN does not pack bf16 "
+                                 "weights (no AVX-512): every product keeps torch's kernel")
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("k,n", SHAPES)
 def test_each_row_is_computed_alike_whatever_the_other_rows(dtype, k, n):
@@ -130,7 +137,27 @@ def test_a_parameters_products_read_it_packed_with_the_plain_tensors_bits(k, n):
                 got = torch.nn.functional.linear(x[:rows], w, b)
                 assert torch.equal(got, torch.nn.functional.linear(x[:rows], w.detach(), b))
     pack = matmul._pack_of(w)
-    assert pack.stamp is not None and pack.packed is not None  # read packed
+    # Read packed where the CPU packs; elsewhere never packed (nor refused: torch's kernel).
+    assert (pack.stamp is not None and pack.packed is not None) == PACKS
+    assert matmul._CPU_PACKS[0] == PACKS
+
+
+def test_the_cpu_is_asked_once_whether_it_packs(monkeypatch):
+    """Whether products read packed weights is the CPU's answer to one small pack at install:
+    a CPU whose oneDNN refuses (AVX2: "bf16 path needs the cpu support ...") gets torch's
+    kernel for every product, not an error at the first one."""
+    def refuse(*args):
+        raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support "
+                           "avx_ne_convert or avx512bw, avx512vl and avx512dq")
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse)
+    assert not matmul.cpu_packs_bf16()
+    monkeypatch.setattr(matmul, "_CPU_PACKS", [False])
+    w, x = parameter(32, 16), torch.randn(2, 16).to(BF16)
+    with torch.inference_mode():
+        assert torch.equal(torch.nn.functional.linear(x, w),
+                           torch.nn.functional.linear(x, w.detach()))
+    assert matmul._pack_of(w).packed is None
 
 
 @pytest.mark.parametrize("write", ["in_place", "through_data", "device_memory"])
@@ -167,6 +194,7 @@ def test_a_packed_weight_is_read_as_last_written(write):
         assert torch.equal(out, expected)
 
 
+@needs_packs
 def test_a_pack_lives_as_long_as_its_weights_memory_and_the_device():
     """A weight's pack goes with its memory, and with the device's last worker (vLLM's compiled
     code keeps a model's parameters alive after its engine): a later product packs again."""
@@ -185,6 +213,7 @@ def test_a_pack_lives_as_long_as_its_weights_memory_and_the_device():
     assert key not in matmul._PACKS
 
 
+@needs_packs
 def test_a_pack_is_the_simulators_memory_not_the_devices():
     """The simulator counts the C heap as the device's memory (sim/memory.py): a weight's packed
     copy is host memory a chip would not hold, so it is not counted, while it lives or after."""

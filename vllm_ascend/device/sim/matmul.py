@@ -38,7 +38,9 @@ A model's bfloat16 weight (an nn.Parameter) is read by its products of 1 to 8 ro
 replayed, through oneDNN's packed copy of it (``_Pack``): torch's kernel reorders the weight at
 every call, which made the products of a SmolLM2 decode step cost about twice their reads. The
 bits are those of torch's kernel (tests/ut/test_sim_matmul.py); the copy is made again when the
-weight may have been written.
+weight may have been written. oneDNN packs bf16 weights only on a CPU with AVX-512 (BW, VL, DQ)
+or AVX-NE-CONVERT (``cpu_packs_bf16``, asked once at ``install()``); elsewhere (an AVX2 CPU)
+every product keeps torch's kernel.
 
 Installed once, by ``install()``, in a process that opens a simulated device (its CPU is the
 device from then on): aten's CPU kernels for mm and addmm (functional and ``.out``) are replaced
@@ -209,12 +211,27 @@ PACKED_FOR_ROWS = 8  # oneDNN packs for this many rows; the bits are the same fo
 _PACKS: dict = {}  # (storage address, offset, shape) -> _Pack
 _DATA_TAKEN = [0]  # `.data` taken of any tensor in this process
 _BF16 = torch.bfloat16
-_LINEAR_PACKED = torch.backends.mkldnn.is_available()
-_LINEAR = torch.ops.mkldnn._linear_pointwise.default if _LINEAR_PACKED else None
+_LINEAR = torch.ops.mkldnn._linear_pointwise.default if torch.backends.mkldnn.is_available() \
+    else None
+_CPU_PACKS = [False]  # set by install(): whether this CPU's oneDNN packs bf16 weights
+
+
+def cpu_packs_bf16() -> bool:
+    """Whether oneDNN packs a bf16 weight on this CPU: it needs AVX-512 (BW, VL, DQ) or
+    AVX-NE-CONVERT, and refuses elsewhere ("bf16 path needs the cpu support ..."); an AVX2 CPU
+    keeps torch's kernel for every product. Asked once, by packing a small weight."""
+    if _LINEAR is None:
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=_BF16),
+                                                PACKED_FOR_ROWS)
+    except RuntimeError:
+        return False
+    return True
 
 
 def _packable(x, weight, bias) -> bool:
-    return (_LINEAR_PACKED and x.dtype is _BF16 and weight.dtype is _BF16
+    return (_CPU_PACKS[0] and x.dtype is _BF16 and weight.dtype is _BF16
             and x.shape[0] < FP32_FROM_ROWS and x.is_contiguous() and weight.dim() == 2
             and weight.is_contiguous() and x.shape[1] == weight.shape[1]
             and not weight.is_inference()
@@ -337,6 +354,7 @@ def install() -> None:
 
     for name in _KERNELS:
         _ORIGINAL[name] = _Original(name)
+    _CPU_PACKS[0] = cpu_packs_bf16()
     lib = torch.library.Library("aten", "IMPL")
     with warnings.catch_warnings():  # "Overriding a previously registered kernel": on purpose
         warnings.simplefilter("ignore", UserWarning)
