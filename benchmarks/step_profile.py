@@ -59,7 +59,7 @@ PHASES = [
     ("forward", "vllm.v1.worker.gpu.cudagraph_utils.CudaGraphManager", "run_pw_graph"),
     ("forward", "vllm_ascend.worker.v2.graphs.NPUModelGraphManager", "run_fullgraph"),
     ("sampling", "vllm.v1.worker.gpu.model_runner.GPUModelRunner", "sample_tokens"),
-    ("  attention (FIA kernels)", "vllm_ascend.device.sim.ops", "fia_kernel"),
+    ("  attention (FIA kernels)", "vllm_ascend.device.sim.fia", "fia_kernel"),
     ("  FIA task updates", "vllm_ascend.device.sim.graph.SimGraph", "task_update"),
     ("LM head", None, "compute_logits"),  # on the engine's model instance
     ("sampling", "vllm.v1.worker.gpu_model_runner.GPUModelRunner", "sample_tokens"),

@@ -276,7 +276,7 @@ MUTATIONS = [
              ("tests/ut/test_moe.py",)),
     Mutation("simulated-sinks-ignored-in-decode",
              "the simulator's FIA v2 drops the sinks of one-token queries (decode)",
-             "vllm_ascend/device/sim/ops.py", "    if sink is None:\n        probs = "
+             "vllm_ascend/device/sim/fia.py", "    if sink is None:\n        probs = "
              "scores.softmax(-1)", "    if True:\n        probs = scores.softmax(-1)",
              ("tests/ut/test_sim_fia.py",)),
     Mutation("mla-later-context-chunks-dropped",
@@ -307,7 +307,7 @@ MUTATIONS = [
     Mutation("simulated-zombie-holds-its-device",
              "the simulator keeps a device held by a process that exited unreaped: the next "
              "engine of a script that makes them one after the other cannot start",
-             "vllm_ascend/device/sim/npu.py", '    return state not in ("Z", "X")',
+             "vllm_ascend/device/sim/devices.py", '    return state not in ("Z", "X")',
              "    return True",
              ("tests/ut/test_sim_devices.py::"
               "test_a_device_is_free_once_its_process_has_exited_even_unreaped",)),
@@ -325,7 +325,7 @@ MUTATIONS = [
     Mutation("replayed-rope-reads-cos-for-sin",
              "a FULL or PIECEWISE replay's RoPE (the form that writes into the graph's output) "
              "multiplies the rotated half by cos: graphs rotate otherwise than eager steps",
-             "vllm_ascend/device/sim/ops.py",
+             "vllm_ascend/device/sim/rope.py",
              "    turned = x.roll(half, -1).mul_(r2)",
              "    turned = x.roll(half, -1).mul_(r1)",
              ("tests/ut/test_sim_graph.py::"
@@ -333,7 +333,7 @@ MUTATIONS = [
     Mutation("replayed-norm-ignores-gamma",
              "a replay's RMS norms (the form that writes into the graph's outputs) leave out "
              "the weight: graphs normalise otherwise than eager steps",
-             "vllm_ascend/device/sim/ops.py",
+             "vllm_ascend/device/sim/norm.py",
              "    torch.mul(xf.mul_(rstd), gamma, out=y)",
              "    torch.mul(xf.mul_(rstd), 1.0, out=y)",
              ("tests/ut/test_sim_graph.py::"
@@ -412,7 +412,7 @@ MUTATIONS = [
     Mutation("fia-one-request-reads-its-block-end",
              "FIA's one-request path (a batch-1 prefill within one block) reads the block's last "
              "tokens instead of its first: attention over slots the request has not written",
-             "vllm_ascend/device/sim/ops.py",
+             "vllm_ascend/device/sim/fia.py",
              "        return (x[block, :max_kv].view(1, max_kv, nkv, d) for x in (key, value))",
              "        return (x[block, -max_kv:].view(1, max_kv, nkv, d) for x in (key, value))",
              ("tests/ut/test_sim_fia.py::"
@@ -420,7 +420,7 @@ MUTATIONS = [
     Mutation("fia-one-token-reads-the-next-block",
              "FIA's one-token path (a batch-1 decode within one block) reads the block after the "
              "table's: attention over another request's keys",
-             "vllm_ascend/device/sim/ops.py",
+             "vllm_ascend/device/sim/fia.py",
              "                           x.storage_offset() + block * x.stride(0))",
              "                           x.storage_offset() + (block + 1) * x.stride(0))",
              ("tests/ut/test_sim_fia.py::"
@@ -435,7 +435,7 @@ MUTATIONS = [
     Mutation("replayed-scatter-skips-its-slot-checks",
              "a replay's KV scatter, which skips the checks the capture made, skips the check of "
              "the slots it reads too: an out-of-range slot writes past the cache unreported",
-             "vllm_ascend/device/sim/ops.py",
+             "vllm_ascend/device/sim/kv_cache.py",
              "    if high >= num_blocks * block_size:",
              "    if not _replay and high >= num_blocks * block_size:",
              ("tests/ut/test_sim_graph.py::"
@@ -444,7 +444,7 @@ MUTATIONS = [
              "a replay's simulated kernels, called without the dispatcher, are not counted as "
              "replayed ops: the ledger's proof that a graph ran a fused kernel goes blind",
              "vllm_ascend/device/sim/graph.py",
-             "                        if counting and _op_called(fn) is not None:",
+             "                        if counting and op_called(fn) is not None:",
              "                        if False:",
              ("tests/ut/test_sim_graph.py::"
               "test_a_replay_of_the_fused_kernels_writes_what_the_eager_ops_return",)),

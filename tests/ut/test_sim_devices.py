@@ -9,15 +9,15 @@ import types
 
 import pytest
 
-from vllm_ascend.device.sim import npu
-from vllm_ascend.device.sim.npu import DeviceContextError
+from vllm_ascend.device.sim import devices, npu
+from vllm_ascend.device.sim.errors import DeviceContextError
 
 
 @pytest.fixture
 def no_context(monkeypatch):
     """This process as it was before any set_device (restored after)."""
     npu.release_device()
-    monkeypatch.setattr(npu, "_context", None)
+    monkeypatch.setattr(devices, "_context", None)
     yield
     npu.release_device()
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from vllm_ascend.device import sim as torch_npu
-from vllm_ascend.device.sim.ops import AscendOpError
+from vllm_ascend.device.sim.errors import AscendOpError
 
 MASK = torch.triu(torch.ones(2048, 2048), diagonal=1).to(torch.int8)
 BF16 = torch.bfloat16
@@ -136,7 +136,7 @@ def test_requests_all_alike_attend_once_with_the_same_bits(q_len, monkeypatch):
     # vLLM's dummy batches: every request the same queries over the same blocks. The simulator
     # attends one and writes it to each; the bits are the whole batch's, and a request that
     # differs in one bit of its query (or its KV length) takes the whole batch.
-    from vllm_ascend.device.sim import ops
+    from vllm_ascend.device.sim import fia as ops
 
     case = Case([q_len] * 5, [37] * 5)
     case.table[:] = case.table[0]

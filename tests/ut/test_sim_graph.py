@@ -7,7 +7,7 @@ import torch
 from tests.ut.conftest import on_two_ranks
 from vllm_ascend.device import sim as torch_npu
 from vllm_ascend.device.sim import npu
-from vllm_ascend.device.sim.graph import GraphCaptureError, GraphReplayError, StreamResourceError
+from vllm_ascend.device.sim.errors import GraphCaptureError, GraphReplayError, StreamResourceError
 
 MASK = torch.triu(torch.ones(2048, 2048), diagonal=1).to(torch.int8)
 BF16 = torch.bfloat16
@@ -536,9 +536,9 @@ def test_a_sync_in_another_host_thread_leaves_this_threads_replay_to_it():
         t = threading.Thread(target=output_thread)
         t.start()
         t.join()
-        assert not errors and not a.event._recorded and npu._mine() == [a.graph.sim_graph]
+        assert not errors and not a.event._recorded and npu.waiting_replays() == [a.graph.sim_graph]
     # Leaving the update stream's context ran the update and released the replay.
-    assert a.event._recorded is False and not npu._mine()
+    assert a.event._recorded is False and not npu.waiting_replays()
     torch.testing.assert_close(a.out, a.eager(9))
 
 

@@ -8,7 +8,7 @@ import torch
 
 from vllm_ascend.device import sim as torch_npu
 from vllm_ascend.device.sim import npu
-from vllm_ascend.device.sim.ops import AscendOpError
+from vllm_ascend.device.sim.errors import AscendOpError
 
 BF16 = torch.bfloat16
 MASK = torch.triu(torch.ones(2048, 2048), diagonal=1).to(torch.int8)

@@ -8,7 +8,7 @@ import torch
 
 import vllm_ascend.device.sim as torch_npu
 from vllm_ascend.device.sim import npu
-from vllm_ascend.device.sim.ops import AscendOpError
+from vllm_ascend.device.sim.errors import AscendOpError
 
 TOKENS, HIDDEN, INTER, EXPERTS, TOP_K = 6, 16, 8, 4, 2
 

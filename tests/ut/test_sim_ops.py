@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from vllm_ascend.device import sim as torch_npu
-from vllm_ascend.device.sim.ops import AscendOpError
+from vllm_ascend.device.sim.errors import AscendOpError
 
 BF16 = torch.bfloat16
 

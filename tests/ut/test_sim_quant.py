@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import vllm_ascend.device.sim as torch_npu
-from vllm_ascend.device.sim.ops import AscendOpError
+from vllm_ascend.device.sim.errors import AscendOpError
 
 M, K, N = 5, 32, 24
 

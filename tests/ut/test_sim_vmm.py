@@ -10,7 +10,7 @@ import torch
 
 from vllm_ascend.device.sim import acl, npu
 from vllm_ascend.device_allocator.vmm import NPUMemAllocator
-from vllm_ascend.device.sim.graph import GraphReplayError
+from vllm_ascend.device.sim.errors import GraphReplayError
 
 MB2 = acl.GRANULARITY
 PROP = {"handleType": 0, "allocationType": 0, "memAttr": 0, "location": {"id": 0, "type": 1},

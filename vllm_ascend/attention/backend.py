@@ -24,7 +24,7 @@ from vllm.forward_context import get_forward_context
 from vllm.v1.attention.backends.registry import register_backend
 from vllm.v1.kv_cache_interface import KVCacheLayout
 
-from vllm_ascend.compilation.acl_graph import GRAPH_STATE
+from vllm_ascend.attention.graph_params import GRAPH_STATE
 from vllm_ascend.device import torch_npu
 
 BACKEND_NAME = "ASCEND"

@@ -21,6 +21,11 @@ import torch
 
 from vllm_ascend.device import torch_npu
 
+# The engine's graph state (compilation/acl_graph.GraphState) by its name in the engine's static
+# forward context: attention layers find their engine's FIA calls there (``.fia``, a
+# GraphParams), and the runner that owns the state registers it under this name.
+GRAPH_STATE = "vllm_ascend.graph_state"
+
 
 @dataclasses.dataclass
 class FIACall:

@@ -43,7 +43,7 @@ from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
 from vllm_ascend.attention.backend import (CAUSAL, AscendAttentionBackend,
                                            AscendAttentionMetadataBuilder)
-from vllm_ascend.compilation.acl_graph import GRAPH_STATE
+from vllm_ascend.attention.graph_params import GRAPH_STATE
 from vllm_ascend.device import torch_npu
 
 BACKEND_NAME = "ASCEND_MLA"

@@ -20,7 +20,7 @@ from vllm.config import CUDAGraphMode, VllmConfig
 from vllm.forward_context import get_forward_context, is_forward_context_available
 from vllm.compilation.monitor import validate_cudagraph_capturing_enabled
 
-from vllm_ascend.attention.graph_params import GraphParams
+from vllm_ascend.attention.graph_params import GRAPH_STATE, GraphParams
 from vllm_ascend.device import torch_npu
 from vllm_ascend.logger import get_logger
 
@@ -34,7 +34,6 @@ class GraphCaptureFailed(RuntimeError):
     pass
 
 
-GRAPH_STATE = "vllm_ascend.graph_state"  # its name in the engine's static forward context
 # vLLM's compile tags for speculative drafters' models (EAGLE/MTP heads; draft models).
 DRAFTER_MODEL_TAGS = ("eagle_head", "draft_model")
 

@@ -1,21 +1,30 @@
 """``sim``: torch_npu on the CPU. The functions vllm-ascend calls, by torch_npu's own names,
-keywords and overloads, with the chip's contracts (see ops.py) and graph semantics (npu.py,
-graph.py). Only what the product uses is here; anything else is an AttributeError, and a keyword
-torch_npu has but the simulator does not model is refused rather than ignored.
+keywords and overloads, with the chip's contracts and graph semantics; README.md beside this file
+maps torch_npu's API to the module that implements each part. This module is torch_npu's top
+level: its operator functions (the ops themselves are ``ascend_sim`` torch.library ops, defined
+in the operator modules), ``torch_npu.npu`` (npu.py) and ``torch_npu._C``. Only what the product
+uses is here; anything else is an AttributeError, and a keyword torch_npu has but the simulator
+does not model is refused rather than ignored.
 """
 
 import sys
 
 import torch
 
-from vllm_ascend.device.sim import graph as _graph
-from vllm_ascend.device.sim import mc2  # noqa: F401  (registers the MC2 operators)
+# Each operator module registers its ascend_sim ops.
+from vllm_ascend.device.sim import activation  # noqa: F401  (npu_swiglu)
+from vllm_ascend.device.sim import fia  # noqa: F401  (FIA v1)
+from vllm_ascend.device.sim import fia_checks as _fia_checks
+from vllm_ascend.device.sim import graph_pool as _graph_pool
+from vllm_ascend.device.sim import kv_cache  # noqa: F401  (npu_scatter_pa_kv_cache)
+from vllm_ascend.device.sim import mc2  # noqa: F401  (the MC2 operators)
 from vllm_ascend.device.sim import mla as _mla
-from vllm_ascend.device.sim import moe as _moe  # noqa: F401  (registers the MoE operators)
+from vllm_ascend.device.sim import moe as _moe  # noqa: F401  (the MoE operators)
+from vllm_ascend.device.sim import norm  # noqa: F401  (the RMS norms)
 from vllm_ascend.device.sim import npu  # noqa: F401  (torch_npu.npu, i.e. torch.npu)
-from vllm_ascend.device.sim import ops as _ops
-from vllm_ascend.device.sim import quant as _quant  # noqa: F401  (registers the W8A8 operators)
-from vllm_ascend.device.sim.ops import INT32_MAX
+from vllm_ascend.device.sim import quant as _quant  # noqa: F401  (the W8A8 operators)
+from vllm_ascend.device.sim import rope  # noqa: F401  (npu_rotary_mul, npu_mrope)
+from vllm_ascend.device.sim.aclnn import INT32_MAX
 
 class _FusedInferAttention:
     """torch_npu's FIA entry points (v1 and v2): the functional call, and ``.out`` with a
@@ -85,13 +94,13 @@ def _npu_fused_infer_attention_score_get_max_workspace(query, key, value, **kwar
     dtype. The host-side checks run as in the op."""
     kw = npu_fused_infer_attention_score.kwargs(
         "_npu_fused_infer_attention_score_get_max_workspace", kwargs)
-    _ops.check_fia(query, key, value, kw.get("atten_mask"), kw.get("actual_seq_lengths"),
+    _fia_checks.check_fia(query, key, value, kw.get("atten_mask"), kw.get("actual_seq_lengths"),
                    kw.get("actual_seq_lengths_kv"), kw.get("block_table"),
                    kw.get("num_heads", 1), kw.get("num_key_value_heads", 0),
                    kw.get("input_layout", "BSH"), kw.get("sparse_mode", 0),
-                   kw.get("block_size", 0), kw.get("pre_tokens", _ops.INT32_MAX),
-                   kw.get("next_tokens", _ops.INT32_MAX))
-    size = _ops.fia_workspace_elements(query, kw.get("block_table"), kw.get("num_heads", 1))
+                   kw.get("block_size", 0), kw.get("pre_tokens", INT32_MAX),
+                   kw.get("next_tokens", INT32_MAX))
+    size = _fia_checks.fia_workspace_elements(query, kw.get("block_table"), kw.get("num_heads", 1))
     return torch.empty(size, dtype=query.dtype, device=query.device)
 
 
@@ -219,8 +228,8 @@ class _C:
 
     @staticmethod
     def _weak_ref_tensor(tensor):
-        # A non-owning alias: its memory is poisoned once its owner is released (graph.py).
-        return _graph.weak_ref_tensor(tensor)
+        # A non-owning alias: its memory is poisoned once its owner is released (graph_pool.py).
+        return _graph_pool.weak_ref_tensor(tensor)
 
 
 def log_calls_if_requested() -> None:

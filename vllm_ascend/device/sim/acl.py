@@ -22,6 +22,7 @@ import ctypes.util
 import itertools
 import threading
 
+from vllm_ascend.device.sim import devices as _devices
 from vllm_ascend.device.sim import memory as _memory
 
 ACL_SUCCESS = 0
@@ -116,10 +117,8 @@ class rt:  # noqa: N801  (pyACL's module name)
     def malloc_physical(size, prop, flags):
         if not _aligned(size) or flags != 0 or not isinstance(prop, dict):
             return 0, ACL_ERROR_RT_PARAM_INVALID
-        from vllm_ascend.device.sim import npu
-
         with _STATE.lock:
-            if not _memory.can_allocate(size, npu.total_memory()):
+            if not _memory.can_allocate(size, _devices.total_memory()):
                 return 0, ACL_ERROR_RT_MEMORY_ALLOCATION
             handle = next(_STATE.handles)
             _STATE.physical[handle] = size

@@ -5,14 +5,14 @@ memory outside torch's allocator, from its creation until it is destroyed (sim/m
 import torch
 from vllm.distributed.device_communicators.cpu_communicator import CpuCommunicator
 
-from vllm_ascend.device.sim import memory, npu
+from vllm_ascend.device.sim import devices, memory
 
 
 class SimCommunicator(CpuCommunicator):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._holder = f"HCCL buffers of {self.unique_name or 'a communicator'}"
-        memory.charge(self._holder, memory.hccl_buffer_bytes(npu.total_memory()))
+        memory.charge(self._holder, memory.hccl_buffer_bytes(devices.total_memory()))
 
     def reduce_scatter(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """HCCL's reduce-scatter, as an in-place all-reduce and this rank's chunk. Gloo has no

@@ -5,7 +5,7 @@ back the same way and sums them by the routing weights, as upstream vllm-ascend'
 
 Contracts (docs/torch_npu_calls.md): torch_npu's API reference of each op (Ascend/op-plugin
 ``docs/zh/custom_APIs/torch_npu/torch_npu-npu_moe_distribute_dispatch_v2.md`` and
-``..._combine_v2.md``), with the limits of the chip ``VLLM_ASCEND_SIM_SOC`` names (sim/npu.py):
+``..._combine_v2.md``), with the limits of the chip ``VLLM_ASCEND_SIM_SOC`` names (sim/devices.py):
 on the default simulator, which is neither an A2 nor an A3, they refuse to run. The chip's
 options beyond upstream's call (quantized communication, shared-expert ranks, special experts,
 the hierarchical algorithm, a 2-D active mask) are refused by name, not ignored.
@@ -21,8 +21,8 @@ tokens, are undefined on the chip: NaN here. ``assist_info_for_combine`` and
 import torch
 from torch.library import Library
 
-from vllm_ascend.device.sim import memory, npu
-from vllm_ascend.device.sim.ops import PARAM_INVALID, TILING_ERROR, AscendOpError
+from vllm_ascend.device.sim import devices, memory
+from vllm_ascend.device.sim.errors import PARAM_INVALID, TILING_ERROR, AscendOpError
 from vllm_ascend.device.sim.trace import kernel
 
 _lib = Library("ascend_sim", "FRAGMENT")
@@ -64,10 +64,10 @@ def _check_common(op, x_shape, expert_ids, group_ep, ep_world_size, ep_rank_id, 
     def error(code, message):
         return AscendOpError(op, f"aclnn op of {op}", code, message)
 
-    generation = npu.soc_generation()
+    generation = devices.soc_generation()
     if generation is None:
         raise error(PARAM_INVALID, f"{op} runs on Atlas A2 and A3 chips; this device is "
-                    f"{npu.soc_name()!r} (the simulator's {npu.SOC_ENV} names the chip)")
+                    f"{devices.soc_name()!r} (the simulator's {devices.SOC_ENV} names the chip)")
     ep_ok, hidden_ok, max_bs = LIMITS[generation]
     if any(special_experts) or elastic_info is not None or shared_expert_rank_num:
         raise NotImplementedError(f"{op}: shared-expert ranks, zero/copy/constant experts and "
@@ -174,7 +174,7 @@ def _dispatch_impl(x, expert_ids, group_ep, ep_world_size, ep_rank_id, moe_exper
     bs, hidden = x.shape
     k = expert_ids.shape[1]
     need = window_bytes(generation, local, most, ep_world_size, hidden, k, shared_expert_num)
-    have = memory.hccl_buffer_bytes(npu.total_memory()) // 2
+    have = memory.hccl_buffer_bytes(devices.total_memory()) // 2
     if need > have:
         raise AscendOpError(op, f"aclnn op of {op}", TILING_ERROR,
                             f"the HCCL buffer ({have >> 20} MB, HCCL_BUFFSIZE) is smaller than "

@@ -23,6 +23,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from vllm_ascend.device.sim import devices as _devices
 from vllm_ascend.device.sim import memory as _memory
 
 MALLOC_FN = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
@@ -133,9 +134,7 @@ class _Pooling(TorchDispatchMode):
 
 @contextlib.contextmanager
 def use_mem_pool(pool: MemPool, device=None):
-    from vllm_ascend.device.sim import npu
-
-    mode = _Pooling(pool, npu.current_device() if device is None else int(device))
+    mode = _Pooling(pool, _devices.current_device() if device is None else int(device))
     _ACTIVE.append(mode)
     try:
         with mode:

@@ -8,10 +8,11 @@ contract and its source; anything outside the MLA path upstream runs is refused 
 import torch
 from torch.library import Library
 
-from vllm_ascend.device.sim.ops import (ATTEN_MASK_SIZE, CAPTURING, FIA_DTYPES, FIA_MAX_BATCH,
-                                        INT32_MAX, PARAM_INVALID, TILING_ERROR, AscendOpError,
-                                        _check_causal_mask, _require_contiguous, _sampling,
-                                        band_of, check_fia, fia_attend)
+from vllm_ascend.device.sim.aclnn import CAPTURING, INT32_MAX, require_contiguous, sampling
+from vllm_ascend.device.sim.errors import PARAM_INVALID, TILING_ERROR, AscendOpError
+from vllm_ascend.device.sim.fia import fia_attend
+from vllm_ascend.device.sim.fia_checks import (ATTEN_MASK_SIZE, FIA_DTYPES, FIA_MAX_BATCH, band_of,
+                                               check_causal_mask, check_fia)
 from vllm_ascend.device.sim.trace import kernel
 
 _lib = Library("ascend_sim", "FRAGMENT")
@@ -47,7 +48,7 @@ def _interleave_rope_impl(x, cos, sin):
     if x.dtype not in FIA_DTYPES or cos.dtype != x.dtype or sin.dtype != x.dtype:
         raise err(PARAM_INVALID, f"x, cos and sin must share one dtype, bfloat16 or float16 "
                   f"(got {x.dtype}, {cos.dtype}, {sin.dtype})")
-    _require_contiguous(err, x=x, cos=cos, sin=sin)
+    require_contiguous(err, x=x, cos=cos, sin=sin)
     b, _, s, d = x.shape
     if d != ROPE_DIM or cos.shape[-1] != ROPE_DIM or sin.shape[-1] != ROPE_DIM:
         raise err(TILING_ERROR, f"the D dim of x, cos and sin must be {ROPE_DIM}, got "
@@ -87,7 +88,7 @@ def _kv_rmsnorm_rope_cache_impl(kv, gamma, cos, sin, index, k_cache, ckv_cache, 
     if k_cache.dtype != kv.dtype or ckv_cache.dtype != kv.dtype:
         raise err(PARAM_INVALID, "unquantized caches must have kv's dtype (quantized caches "
                   "are not simulated)")
-    _require_contiguous(err, kv=kv, gamma=gamma, cos=cos, sin=sin, index=index, k_cache=k_cache,
+    require_contiguous(err, kv=kv, gamma=gamma, cos=cos, sin=sin, index=index, k_cache=k_cache,
                         ckv_cache=ckv_cache)
     b, _, s, _ = kv.shape
     if list(gamma.shape) != [RMS_DIM]:
@@ -145,7 +146,7 @@ def _transpose_batchmatmul_impl(input, weight, *, perm_x1=None, perm_y=None):
     if input.dtype not in FIA_DTYPES or weight.dtype != input.dtype:
         raise err(PARAM_INVALID, f"input and weight must share one dtype, bfloat16 or float16 "
                   f"(got {input.dtype}, {weight.dtype})")
-    _require_contiguous(err, input=input, weight=weight)
+    require_contiguous(err, input=input, weight=weight)
     if perm_x1 not in ([0, 1, 2], [1, 0, 2]) or perm_y != [1, 0, 2]:
         raise err(PARAM_INVALID, f"perm_x1 must be [0, 1, 2] or [1, 0, 2] and perm_y "
                   f"[1, 0, 2], got {perm_x1} and {perm_y}")
@@ -208,7 +209,7 @@ def check_fia_v2(query, key, value, query_rope, key_rope, atten_mask, actual_seq
     if query.dtype not in FIA_DTYPES or any(t.dtype != query.dtype for t in tensors):
         raise err(PARAM_INVALID, "query, key, value, query_rope and key_rope must share one "
                   f"dtype, float16 or bfloat16 (got {[str(t.dtype) for t in tensors]})")
-    _require_contiguous(err, query=query, query_rope=query_rope, atten_mask=atten_mask,
+    require_contiguous(err, query=query, query_rope=query_rope, atten_mask=atten_mask,
                         block_table=block_table)
     if input_layout == "BNSD_NBSD":
         batch, n, s, d = query.shape
@@ -268,7 +269,7 @@ def check_fia_v2(query, key, value, query_rope, key_rope, atten_mask, actual_seq
         if atten_mask.dtype not in (torch.bool, torch.int8, torch.uint8) or \
                 atten_mask.shape[-2:] != (ATTEN_MASK_SIZE, ATTEN_MASK_SIZE):
             raise err(TILING_ERROR, "the causal mask must be 2048x2048 bool/int8/uint8")
-        _check_causal_mask(atten_mask)
+        check_causal_mask(atten_mask)
         out_shape = (n, tokens, d)
     batch = len(q_lens)
     if len(kv) != batch or batch > FIA_MAX_BATCH:
@@ -310,7 +311,7 @@ def _check_dense_v2(query, key, value, atten_mask, actual_seq_qlen, actual_seq_k
         if dv > SINK_MAX_DV:
             raise err(TILING_ERROR, f"learnable_sink takes a value head dim of at most "
                       f"{SINK_MAX_DV}, got {dv}")
-        _require_contiguous(err, learnable_sink=learnable_sink)
+        require_contiguous(err, learnable_sink=learnable_sink)
     return q_lens, kv_lens, (query.shape[0], query.shape[1], dv)
 
 
@@ -362,7 +363,7 @@ def _fia_v2_run(query, key, value, query_rope, key_rope, atten_mask, actual_seq_
     elif tuple(out.shape) != out_shape or out.dtype != query.dtype or not out.is_contiguous():
         raise fia_v2_error(TILING_ERROR, f"attention_out must be a contiguous {list(out_shape)} "
                            f"{query.dtype} tensor, got {list(out.shape)} {out.dtype}")
-    if CAPTURING.active:  # checked, not run (ops.CAPTURING)
+    if CAPTURING.active:  # checked, not run (aclnn.CAPTURING)
         return CAPTURING.unwritten(out)
     if query_rope is None:
         fia_attend(query, key, value, block_table, actual_seq_qlen, actual_seq_kvlen, q_lens,
@@ -418,9 +419,9 @@ def _fia_v2_out_impl(query, key, value, *, query_rope=None, key_rope=None, atten
 
 
 _lib.impl("npu_fused_infer_attention_score_v2",
-          kernel("npu_fused_infer_attention_score_v2", _sampling(_fia_v2_impl)), "CPU")
+          kernel("npu_fused_infer_attention_score_v2", sampling(_fia_v2_impl)), "CPU")
 _lib.impl("npu_fused_infer_attention_score_v2.out",
-          kernel("npu_fused_infer_attention_score_v2.out", _sampling(_fia_v2_out_impl)), "CPU")
+          kernel("npu_fused_infer_attention_score_v2.out", sampling(_fia_v2_out_impl)), "CPU")
 
 
 # -- npu_attention_update -------------------------------------------------------------------------
@@ -441,7 +442,7 @@ def _attention_update_impl(lse, local_out, update_type):
                   f"[1, {ATTENTION_UPDATE_MAX_SP}], got {len(lse)} and {len(local_out)}")
     rows, d = local_out[0].shape if local_out[0].dim() == 2 else (-1, -1)
     for i, (l, o) in enumerate(zip(lse, local_out)):
-        _require_contiguous(err, **{f"lse[{i}]": l, f"localOut[{i}]": o})
+        require_contiguous(err, **{f"lse[{i}]": l, f"localOut[{i}]": o})
         if l.dtype != torch.float32 or l.dim() != 1 or l.shape[0] != rows:
             raise err(PARAM_INVALID, f"lse[{i}] must be float32 [batch * seqLen * headNum] = "
                       f"[{rows}], got {l.dtype} {list(l.shape)}")
@@ -461,4 +462,4 @@ def _attention_update_impl(lse, local_out, update_type):
 
 
 _lib.impl("npu_attention_update",
-          kernel("npu_attention_update", _sampling(_attention_update_impl)), "CPU")
+          kernel("npu_attention_update", sampling(_attention_update_impl)), "CPU")

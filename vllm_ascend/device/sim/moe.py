@@ -14,7 +14,7 @@ reads them gets poison, not a plausible zero.
 import torch
 from torch.library import Library
 
-from vllm_ascend.device.sim.ops import PARAM_INVALID, TILING_ERROR, AscendOpError
+from vllm_ascend.device.sim.errors import PARAM_INVALID, TILING_ERROR, AscendOpError
 from vllm_ascend.device.sim.trace import kernel
 
 _lib = Library("ascend_sim", "FRAGMENT")

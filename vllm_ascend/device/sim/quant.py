@@ -12,7 +12,8 @@ rounding to x's dtype.
 import torch
 from torch.library import Library
 
-from vllm_ascend.device.sim.ops import PARAM_INVALID, TILING_ERROR, AscendOpError, rms_float
+from vllm_ascend.device.sim.errors import PARAM_INVALID, TILING_ERROR, AscendOpError
+from vllm_ascend.device.sim.norm import rms_float
 from vllm_ascend.device.sim.trace import kernel
 
 _lib = Library("ascend_sim", "FRAGMENT")
