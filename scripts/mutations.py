@@ -527,7 +527,7 @@ MUTATIONS = [
              ("tests/e2e/test_model_runner_v2_spec.py", "-k", "npu_one")),
     Mutation("sim-fp64-noise-overflows", "fp64 Gumbel noise is NaN for half the hashes "
              "(sampling with use_fp64_gumbel draws garbage)",
-             "vllm_ascend/device/sim/v2_kernels.py", "        random53 = (hi << 21) | (lo >> 11)",
+             "vllm_ascend/device/sim/v2_sampling.py", "        random53 = (hi << 21) | (lo >> 11)",
              "        random53 = ((hi << 32) | lo) >> 11",
              ("tests/ut/test_sim_v2_spec_kernels.py",)),
     Mutation("sim-greedy-rejection-accepts-all", "a greedy request accepts every draft",
@@ -557,7 +557,7 @@ MUTATIONS = [
              "            self.graph_state.clear()", "            pass",
              ("tests/e2e/test_model_runner_v2.py", "-k", "llama and FULL_AND_PIECEWISE")),
     Mutation("v2-sampling-without-noise", "the simulator's V2 sampling takes the argmax at any "
-             "temperature", "vllm_ascend/device/sim/v2_kernels.py",
+             "temperature", "vllm_ascend/device/sim/v2_sampling.py",
              "    if bool(sampling.any()):", "    if False:",
              ("tests/ut/test_sim_v2_kernels.py",)),
     Mutation("v2-dummy-requests-write-kv", "the simulator's V2 slot mapping gives a dummy "
@@ -565,7 +565,7 @@ MUTATIONS = [
              "torch.where(real & enabled, slots, PAD_ID)", "torch.where(enabled, slots, PAD_ID)",
              ("tests/ut/test_sim_v2_kernels.py",)),
     Mutation("v2-repetition-penalty-ignored", "the simulator's V2 sampling leaves out the "
-             "repetition penalty", "vllm_ascend/device/sim/v2_kernels.py",
+             "repetition penalty", "vllm_ascend/device/sim/v2_sampling.py",
              "        if rep != 1.0:\n", "        if False:\n",
              ("tests/ut/test_sim_v2_kernels.py",)),
     Mutation("modelslim-mtp-layer-unnamed",

@@ -62,7 +62,8 @@ def test_piecewise_compilation_runs_the_ascend_backend_without_aot_compile(monke
     # would save one it cannot load back (and hash the whole config on every forward call).
     from vllm.config import CompilationConfig, CompilationMode, VllmConfig
 
-    from vllm_ascend.platform import COMPILE_BACKEND, NPUPlatform
+    from vllm_ascend.compilation.settings import COMPILE_BACKEND
+    from vllm_ascend.platform import NPUPlatform
 
     monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "1")
     config = VllmConfig(compilation_config=CompilationConfig(mode=CompilationMode.VLLM_COMPILE,

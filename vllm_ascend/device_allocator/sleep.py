@@ -62,3 +62,17 @@ def register() -> None:
     """Make the backend known to vLLM's factory (in every process that builds a worker)."""
     if NAME not in SleepModeBackendFactory._registry:
         SleepModeBackendFactory.register_backend(NAME, __name__, AscendSleepBackend.__name__)
+
+
+def select_backend(model_config) -> None:
+    """vLLM's default sleep-mode backend is CUDA's cumem; Ascend's is device_allocator/."""
+    register()
+    if model_config.sleep_mode_backend == "cumem":
+        model_config.sleep_mode_backend = NAME
+    elif model_config.sleep_mode_backend != NAME:
+        raise ValueError(
+            f"sleep_mode_backend {model_config.sleep_mode_backend!r} is not available on "
+            f"Ascend; leave it unset (Ascend's is {NAME!r}).")
+    logger.info("vllm-ascend: sleep mode on: weights, KV cache and runtime buffers in "
+                "CANN virtual memory, released by sleep() and mapped again at the same "
+                "addresses by wake_up()")

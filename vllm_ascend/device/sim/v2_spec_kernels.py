@@ -12,7 +12,8 @@ Philox ``tl.rand`` for the acceptance test, vLLM's murmur3 Gumbel noise for resa
 
 import torch
 
-from vllm_ascend.device.sim.v2_kernels import M32, _gumbel_noise, _mul32, _one_kernel
+from vllm_ascend.device.sim.v2_kernels import one_kernel
+from vllm_ascend.device.sim.v2_sampling import M32, gumbel_noise, mul32
 
 _TL_RAND_MIN = 4.6566127342e-10  # the smallest positive value of Triton's fp32 tl.rand
 
@@ -208,7 +209,7 @@ def _philox_rand(seed: int, offset: torch.Tensor) -> torch.Tensor:
         _c0, _c2 = c0, c2
         c0 = (_umulhi(0xCD9E8D57, _c2) ^ c1 ^ k0) & M32
         c2 = (_umulhi(0xD2511F53, _c0) ^ c3 ^ k1) & M32
-        c1, c3 = _mul32(_c2, 0xCD9E8D57), _mul32(_c0, 0xD2511F53)
+        c1, c3 = mul32(_c2, 0xCD9E8D57), mul32(_c0, 0xD2511F53)
         k0, k1 = (k0 + 0x9E3779B9) & M32, (k1 + 0xBB67AE85) & M32
     signed = torch.where(c0 >= 1 << 31, c0 - (1 << 32), c0)
     signed = torch.where(signed < 0, -signed - 1, signed)
@@ -326,7 +327,7 @@ def resample(
         if temp != 0.0:
             seed = torch.tensor(int(seed_ptr[state]), dtype=torch.int64)
             pos = torch.tensor(int(pos_ptr[row]), dtype=torch.int64)
-            residual = residual + _gumbel_noise(seed, pos, keys, USE_FP64).to(residual.dtype)
+            residual = residual + gumbel_noise(seed, pos, keys, USE_FP64).to(residual.dtype)
         value, idx = _blocks(residual[None], num_blocks, BLOCK_SIZE)[0].max(-1)
         resampled_local_argmax_ptr[b] = torch.arange(num_blocks) * BLOCK_SIZE + idx
         resampled_local_max_ptr[b] = value.to(resampled_local_max_ptr.dtype)
@@ -366,4 +367,4 @@ _KERNELS = {
     _REJECT + "_resample_kernel": resample,
     _REJECT + "_insert_resampled_kernel": insert_resampled,
 }
-KERNELS = {name: _one_kernel(fn) for name, fn in _KERNELS.items()}
+KERNELS = {name: one_kernel(fn) for name, fn in _KERNELS.items()}
