@@ -32,6 +32,9 @@ class Mutation:
     old: str  # found exactly once
     new: str
     tests: tuple[str, ...]  # pytest arguments: the tests that should catch it
+    # What the machine must have for the mutated code to run at all (see NEEDS); elsewhere the
+    # mutation is reported as not applicable, not as missed.
+    needs: str = ""
 
 
 # The step's FIA arguments in AscendAttentionImpl.step_args, one a line at this indent.
@@ -353,7 +356,7 @@ MUTATIONS = [
              '        return _LINEAR(rows, self.packed, bias, "none", [], "")',
              '        return _LINEAR(rows, self.packed, None, "none", [], "")',
              ("tests/ut/test_sim_matmul.py::"
-              "test_a_parameters_products_read_it_packed_with_the_plain_tensors_bits",)),
+              "test_a_parameters_products_read_it_packed_with_the_plain_tensors_bits",), needs="packs"),
     Mutation("packed-product-one-row-unpadded",
              "a one-row product read packed is not padded to two rows: on an AVX-512-BF16 CPU "
              "oneDNN's one-row kernel gives other bits, and a batch-1 step parts from the same "
@@ -362,7 +365,7 @@ MUTATIONS = [
              "    rows = _padded_rows(a)",
              "    rows = a",
              ("tests/ut/test_sim_matmul.py::"
-              "test_a_parameters_products_read_it_packed_with_the_plain_tensors_bits",)),
+              "test_a_parameters_products_read_it_packed_with_the_plain_tensors_bits",), needs="packs"),
     Mutation("packed-weight-misses-in-place-writes",
              "a weight's packed copy is not made again after an in-place write to the weight: "
              "products read the weights as they were",
@@ -370,21 +373,21 @@ MUTATIONS = [
              "        stamp = (weight._version, _DATA_TAKEN[0], _acl.raw_writes(), "
              "weight.data_ptr())",
              "        stamp = (0, _DATA_TAKEN[0], _acl.raw_writes(), weight.data_ptr())",
-             ("tests/ut/test_sim_matmul.py::test_a_packed_weight_is_read_as_last_written",)),
+             ("tests/ut/test_sim_matmul.py::test_a_packed_weight_is_read_as_last_written",), needs="packs"),
     Mutation("packed-weight-misses-data-writes",
              "a write through .data (vLLM's weight loaders: a reload after sleep mode, new "
              "weights from a trainer) leaves products reading the old weights",
              "vllm_ascend/device/sim/matmul.py",
              "    _DATA_TAKEN[0] += 1",
              "    _DATA_TAKEN[0] += 0",
-             ("tests/ut/test_sim_matmul.py::test_a_packed_weight_is_read_as_last_written",)),
+             ("tests/ut/test_sim_matmul.py::test_a_packed_weight_is_read_as_last_written",), needs="packs"),
     Mutation("packed-weight-misses-device-memory-writes",
              "memory ACL discarded and mapped again (sleep mode) is read as it was before",
              "vllm_ascend/device/sim/matmul.py",
              "        stamp = (weight._version, _DATA_TAKEN[0], _acl.raw_writes(), "
              "weight.data_ptr())",
              "        stamp = (weight._version, _DATA_TAKEN[0], 0, weight.data_ptr())",
-             ("tests/ut/test_sim_matmul.py::test_a_packed_weight_is_read_as_last_written",)),
+             ("tests/ut/test_sim_matmul.py::test_a_packed_weight_is_read_as_last_written",), needs="packs"),
     Mutation("packs-outlive-their-weights",
              "a weight's packed copy stays after the weight is freed: host memory grows with "
              "every engine a process starts",
@@ -392,7 +395,7 @@ MUTATIONS = [
              "        weakref.finalize(storage, _PACKS.pop, key, None)",
              "        pass",
              ("tests/ut/test_sim_matmul.py::"
-              "test_a_pack_lives_as_long_as_its_weights_memory_and_the_device",)),
+              "test_a_pack_lives_as_long_as_its_weights_memory_and_the_device",), needs="packs"),
     Mutation("packs-counted-as-device-memory",
              "the simulator counts a model's packed weights as device memory: its KV cache and "
              "start-up figures differ from the chip's by a second copy of the weights",
@@ -400,7 +403,7 @@ MUTATIONS = [
              "    _memory.simulator_holds(nbytes)",
              "    pass",
              ("tests/ut/test_sim_matmul.py::"
-              "test_a_pack_is_the_simulators_memory_not_the_devices",)),
+              "test_a_pack_is_the_simulators_memory_not_the_devices",), needs="packs"),
     Mutation("packs-outlive-their-engines",
              "the packed copies stay when the device's last worker shuts down: vLLM keeps a "
              "model's parameters alive, so each engine a process starts adds its packs",
@@ -408,7 +411,23 @@ MUTATIONS = [
              "        pack.stamp = pack.packed = None",
              "        pass",
              ("tests/ut/test_sim_matmul.py::"
-              "test_a_pack_lives_as_long_as_its_weights_memory_and_the_device",)),
+              "test_a_pack_lives_as_long_as_its_weights_memory_and_the_device",), needs="packs"),
+    Mutation("kernel-caches-counted-as-device-memory",
+             "what the CPU's libraries keep for a product's shape (oneDNN's primitives) counts "
+             "as device memory: on a CPU whose kernels cache, a capture outgrows the graphs' "
+             "estimate and runs out of memory where another CPU's fits",
+             "vllm_ascend/device/sim/matmul.py",
+             "        _memory.simulator_holds(left)",
+             "        pass",
+             ("tests/ut/test_sim_matmul.py::"
+              "test_what_a_kernel_keeps_for_a_shape_is_the_simulators_memory",)),
+    Mutation("cpu-that-cannot-pack-reads-packed",
+             "a CPU whose oneDNN refuses to pack bf16 weights (AVX2) is taken for one that "
+             "packs: every engine fails at its first product of 1 to 8 rows",
+             "vllm_ascend/device/sim/matmul.py",
+             "    except RuntimeError:\n        return False",
+             "    except RuntimeError:\n        return True",
+             ("tests/ut/test_sim_matmul.py::test_the_cpu_is_asked_once_whether_it_packs",)),
     Mutation("fia-one-request-reads-its-block-end",
              "FIA's one-request path (a batch-1 prefill within one block) reads the block's last "
              "tokens instead of its first: attention over slots the request has not written",
@@ -431,14 +450,14 @@ MUTATIONS = [
              "vllm_ascend/device/sim/graph.py",
              "            if value is was:  # the same object",
              "            if True:  # the same object",
-             ("tests/ut/test_sim_graph.py::test_task_update_rules",)),
+             ("tests/ut/test_sim_task_updates.py::test_task_update_rules",)),
     Mutation("replayed-scatter-skips-its-slot-checks",
              "a replay's KV scatter, which skips the checks the capture made, skips the check of "
              "the slots it reads too: an out-of-range slot writes past the cache unreported",
              "vllm_ascend/device/sim/kv_cache.py",
              "    if high >= num_blocks * block_size:",
              "    if not _replay and high >= num_blocks * block_size:",
-             ("tests/ut/test_sim_graph.py::"
+             ("tests/ut/test_sim_task_updates.py::"
               "test_a_replayed_scatter_writes_each_replays_slots_and_checks_them",)),
     Mutation("replayed-kernels-not-in-the-ledger",
              "a replay's simulated kernels, called without the dispatcher, are not counted as "
@@ -580,6 +599,19 @@ MUTATIONS = [
 ]
 
 
+# What a mutation may need of the machine: a command that prints True where it has it.
+NEEDS = {"packs": ("oneDNN packs bf16 weights on this CPU (AVX-512 BW/VL/DQ or AVX-NE-CONVERT); "
+                   "elsewhere the packed products do not run",
+                   "from vllm_ascend.device.sim import matmul; print(matmul.cpu_packs_bf16())")}
+
+
+def machine_has(need: str) -> bool:
+    code = NEEDS[need][1]
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return out.stdout.strip().endswith("True")
+
+
 def run(mutation: Mutation, copy: pathlib.Path, timeout: int) -> tuple[str, float, str]:
     target = copy / mutation.path
     original = target.read_text()
@@ -623,14 +655,19 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="vllm-ascend-mutations-") as tmp:
         copy = pathlib.Path(tmp) / "tree"
         shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(".git", "__pycache__"))
+        has = {need: machine_has(need) for need in {m.needs for m in chosen if m.needs}}
         for m in chosen:
-            outcome, took, detail = run(m, copy, args.timeout)
+            if m.needs and not has[m.needs]:
+                outcome, took, detail = "n/a", 0.0, "needs: " + NEEDS[m.needs][0]
+            else:
+                outcome, took, detail = run(m, copy, args.timeout)
             results.append(outcome)
             print(f"{outcome:7s} {took:6.0f} s  {m.name:38s} {detail}", flush=True)
-    caught = results.count("caught")
-    print(f"\n{caught} of {len(results)} caught, {results.count('MISSED')} missed, "
-          f"{results.count('error')} errors")
-    return 0 if caught == len(results) else 1
+    caught, applicable = results.count("caught"), len(results) - results.count("n/a")
+    print(f"\n{caught} of {applicable} caught, {results.count('MISSED')} missed, "
+          f"{results.count('error')} errors; {results.count('n/a')} not applicable on this "
+          "machine")
+    return 0 if caught == applicable else 1
 
 
 if __name__ == "__main__":

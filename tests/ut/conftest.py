@@ -26,3 +26,11 @@ def on_two_ranks(rank_fn) -> list:
     results = mp.Manager().dict()
     mp.spawn(rank_fn, args=(port, results), nprocs=2)
     return [results[rank] for rank in (0, 1)]
+
+
+def capture(fn, *args, pool=None):
+    """A graph of ``fn(*args)`` captured through torch.npu.graph, and its output."""
+    g = npu.NPUGraph()
+    with npu.graph(g, pool=pool):
+        out = fn(*args)
+    return g, out

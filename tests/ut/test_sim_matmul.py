@@ -227,3 +227,31 @@ def test_a_pack_is_the_simulators_memory_not_the_devices():
     del w
     gc.collect()
     assert memory._ACCOUNT.simulator == held
+
+
+def test_what_a_kernel_keeps_for_a_shape_is_the_simulators_memory(monkeypatch):
+    """A CPU library's cache for a product's shape (oneDNN's primitive per shape and row count
+    on an AVX-512 CPU; nothing on an AVX2 one) is host memory of the simulator's kernels: what a
+    kernel's first call for a shape leaves on the heap beyond its result is subtracted, so the
+    device's memory, and whether a capture fits, does not depend on the host's CPU."""
+    monkeypatch.setattr(memory._ACCOUNT, "simulator", memory._ACCOUNT.simulator)
+    monkeypatch.setattr(matmul, "_MEASURED", set())
+    kept = []
+
+    def caching_kernel():
+        kept.append(torch.empty(4 << 20, dtype=torch.uint8))  # what the library keeps: 4 MB
+        return torch.ones(64, 64)
+
+    held, before = memory._ACCOUNT.simulator, memory.allocated()
+    out = matmul.measured_once(("a kernel", (64, 64)), caching_kernel)
+    assert memory._ACCOUNT.simulator - held >= 4 << 20
+    assert memory.allocated() - before < 1 << 20  # the device holds the result, not the cache
+    assert out.shape == (64, 64) and ("a kernel", (64, 64)) in matmul._MEASURED
+    nothing_kept = memory._ACCOUNT.simulator
+    matmul.measured_once(("another", ()), lambda: torch.ones(1 << 20))  # a 4 MB result only
+    assert memory._ACCOUNT.simulator == nothing_kept
+    # torch's kernel is measured at a bf16 shape's first call (its rows, the weight's shape).
+    a, b = torch.randn(3, 48).to(BF16), torch.randn(48, 80).to(BF16)
+    with torch.inference_mode():
+        torch.mm(a, b)
+    assert ("mm", a.shape, b.shape, BF16, b.stride()) in matmul._MEASURED

@@ -22,7 +22,9 @@ Here the host is the device, so:
   CANN's default is 200 MB on a 64 GiB chip; unset, the simulator scales it to its device
   (``hccl_buffer_bytes``).
 * **the simulator's own** host memory on the heap is not the device's: a model's weights packed
-  for the CPU's products (sim/matmul.py) are subtracted, as the simulator measures them.
+  for the CPU's products, and what the CPU's libraries keep for each product's shape (oneDNN's
+  primitives, measured at a shape's first call: sim/matmul.py), are subtracted, as the
+  simulator measures them. What is left depends on the host's allocator only by its rounding.
 * **physical memory** that the runtime's virtual memory calls allocate (sim/acl.py: sleep mode's
   pool) is torch's too, counted from those calls, since it lives outside the heap.
 * **out of memory**: when the two together exceed the device, the next look at the device's
@@ -82,8 +84,9 @@ _ACCOUNT = _Account()
 
 
 def open_device() -> None:
-    """The process (re)opened its device: the heap it holds now is host memory."""
-    _ACCOUNT.base = _heap()
+    """The process (re)opened its device: the heap it holds now is host memory (the part the
+    simulator holds for itself stays counted as that, apart)."""
+    _ACCOUNT.base = _heap() - _ACCOUNT.simulator
     _ACCOUNT.peak = 0
 
 
