@@ -356,7 +356,8 @@ MUTATIONS = [
              '        return _LINEAR(rows, self.packed, bias, "none", [], "")',
              '        return _LINEAR(rows, self.packed, None, "none", [], "")',
              ("tests/ut/test_sim_matmul.py::"
-              "test_a_parameters_products_read_it_packed_with_the_plain_tensors_bits",), needs="packs"),
+              "test_a_parameters_products_read_it_packed_with_the_plain_tensors_bits",),
+             needs="packs"),
     Mutation("packed-product-one-row-unpadded",
              "a one-row product read packed is not padded to two rows: on an AVX-512-BF16 CPU "
              "oneDNN's one-row kernel gives other bits, and a batch-1 step parts from the same "
@@ -365,7 +366,8 @@ MUTATIONS = [
              "    rows = _padded_rows(a)",
              "    rows = a",
              ("tests/ut/test_sim_matmul.py::"
-              "test_a_parameters_products_read_it_packed_with_the_plain_tensors_bits",), needs="packs"),
+              "test_a_parameters_products_read_it_packed_with_the_plain_tensors_bits",),
+             needs="packs"),
     Mutation("packed-weight-misses-in-place-writes",
              "a weight's packed copy is not made again after an in-place write to the weight: "
              "products read the weights as they were",
@@ -373,21 +375,24 @@ MUTATIONS = [
              "        stamp = (weight._version, _DATA_TAKEN[0], _acl.raw_writes(), "
              "weight.data_ptr())",
              "        stamp = (0, _DATA_TAKEN[0], _acl.raw_writes(), weight.data_ptr())",
-             ("tests/ut/test_sim_matmul.py::test_a_packed_weight_is_read_as_last_written",), needs="packs"),
+             ("tests/ut/test_sim_matmul.py::test_a_packed_weight_is_read_as_last_written",),
+             needs="packs"),
     Mutation("packed-weight-misses-data-writes",
              "a write through .data (vLLM's weight loaders: a reload after sleep mode, new "
              "weights from a trainer) leaves products reading the old weights",
              "vllm_ascend/device/sim/matmul.py",
              "    _DATA_TAKEN[0] += 1",
              "    _DATA_TAKEN[0] += 0",
-             ("tests/ut/test_sim_matmul.py::test_a_packed_weight_is_read_as_last_written",), needs="packs"),
+             ("tests/ut/test_sim_matmul.py::test_a_packed_weight_is_read_as_last_written",),
+             needs="packs"),
     Mutation("packed-weight-misses-device-memory-writes",
              "memory ACL discarded and mapped again (sleep mode) is read as it was before",
              "vllm_ascend/device/sim/matmul.py",
              "        stamp = (weight._version, _DATA_TAKEN[0], _acl.raw_writes(), "
              "weight.data_ptr())",
              "        stamp = (weight._version, _DATA_TAKEN[0], 0, weight.data_ptr())",
-             ("tests/ut/test_sim_matmul.py::test_a_packed_weight_is_read_as_last_written",), needs="packs"),
+             ("tests/ut/test_sim_matmul.py::test_a_packed_weight_is_read_as_last_written",),
+             needs="packs"),
     Mutation("packs-outlive-their-weights",
              "a weight's packed copy stays after the weight is freed: host memory grows with "
              "every engine a process starts",
@@ -395,7 +400,8 @@ MUTATIONS = [
              "        weakref.finalize(storage, _PACKS.pop, key, None)",
              "        pass",
              ("tests/ut/test_sim_matmul.py::"
-              "test_a_pack_lives_as_long_as_its_weights_memory_and_the_device",), needs="packs"),
+              "test_a_pack_lives_as_long_as_its_weights_memory_and_the_device",),
+             needs="packs"),
     Mutation("packs-counted-as-device-memory",
              "the simulator counts a model's packed weights as device memory: its KV cache and "
              "start-up figures differ from the chip's by a second copy of the weights",
@@ -403,7 +409,8 @@ MUTATIONS = [
              "    _memory.simulator_holds(nbytes)",
              "    pass",
              ("tests/ut/test_sim_matmul.py::"
-              "test_a_pack_is_the_simulators_memory_not_the_devices",), needs="packs"),
+              "test_a_pack_is_the_simulators_memory_not_the_devices",),
+             needs="packs"),
     Mutation("packs-outlive-their-engines",
              "the packed copies stay when the device's last worker shuts down: vLLM keeps a "
              "model's parameters alive, so each engine a process starts adds its packs",
@@ -411,7 +418,8 @@ MUTATIONS = [
              "        pack.stamp = pack.packed = None",
              "        pass",
              ("tests/ut/test_sim_matmul.py::"
-              "test_a_pack_lives_as_long_as_its_weights_memory_and_the_device",), needs="packs"),
+              "test_a_pack_lives_as_long_as_its_weights_memory_and_the_device",),
+             needs="packs"),
     Mutation("kernel-caches-counted-as-device-memory",
              "what the CPU's libraries keep for a product's shape (oneDNN's primitives) counts "
              "as device memory: on a CPU whose kernels cache, a capture outgrows the graphs' "

@@ -565,19 +565,23 @@ def check_identical(expected, actual, label="") -> None:
 
 @contextlib.contextmanager
 def platform_log():
-    """Yields a list that collects the lines NPUPlatform logs inside the block (its start-up
-    decisions; vLLM's log handlers write to a stream fixed when vLLM configured logging, which
-    pytest's capture may no longer hold)."""
+    """Yields a list that collects the lines NPUPlatform and the areas it hands the config to
+    log inside the block (its start-up decisions; vLLM's log handlers write to a stream fixed
+    when vLLM configured logging, which pytest's capture may no longer hold)."""
     from vllm_ascend import platform
+    from vllm_ascend.compilation import settings
+    from vllm_ascend.device_allocator import sleep
+    from vllm_ascend.quantization import select
+    from vllm_ascend.worker import processes, speculative
 
     lines: list[str] = []
-    info = platform.logger.info
+    with contextlib.ExitStack() as stack:
+        for module in (platform, settings, sleep, select, processes, speculative):
+            def record(msg, *args, _info=module.logger.info, **kwargs):
+                lines.append(msg % args if args else msg)
+                _info(msg, *args, **kwargs)
 
-    def record(msg, *args, **kwargs):
-        lines.append(msg % args if args else msg)
-        info(msg, *args, **kwargs)
-
-    with mock.patch.object(platform.logger, "info", record):
+            stack.enter_context(mock.patch.object(module.logger, "info", record))
         yield lines
 
 

@@ -1,5 +1,6 @@
 """torch_npu's ``npu_swiglu``: SiLU of the first half times the second, with the chip's checks,
-its replay form writing into a graph's output, and its shape for torch.compile's tracing."""
+its replay form writing into a graph's output, and its shape for torch.compile's tracing
+(../shared/TORCH_NPU_CONTRACTS.md section 5; docs/torch_npu_calls.md, "Fused ops")."""
 
 import torch
 

@@ -1,5 +1,6 @@
-"""The simulator's devices and their contexts, the chip it answers as, and its memory queries.
--- devices and their contexts -------------------------------------------------------------------
+"""The simulator's devices and their contexts, the chip it answers as, and its memory queries
+(torch.npu's set_device, device_count, current_device, get_device_name, mem_get_info and
+memory_stats; ../shared/TORCH_NPU_CONTRACTS.md section 9; docs/chip_first_run.md).
 
 A node has $VLLM_ASCEND_SIM_DEVICES devices (default 8, as a 910 server), of which a process sees
 those $ASCEND_RT_VISIBLE_DEVICES lists, in that order (the CANN runtime's rule). A process opens

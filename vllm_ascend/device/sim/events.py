@@ -1,7 +1,7 @@
 """The simulator's device events: ``Event`` (a point in a stream's work, waited on or
 synchronised) and ``ExternalEvent`` (graph_external=True: a graph captures a wait on it, and a
 replay holds at that node until a task update records it). Their ordering rules are those of
-sim/streams.py."""
+sim/streams.py (../shared/TORCH_NPU_CONTRACTS.md sections 4 and 8)."""
 
 from vllm_ascend.device.sim import ledger as _ledger
 from vllm_ascend.device.sim import memory as _memory
@@ -57,8 +57,8 @@ class ExternalEvent:
         if s.capturing is None:
             self._run_pending_record()
             if not self._recorded:
-                raise deadlock_error("ExternalEvent.wait on a stream that is not capturing, with no "
-                                "record() before it")
+                raise deadlock_error("ExternalEvent.wait on a stream that is not capturing, "
+                                     "with no record() before it")
             return
         s.capturing.record_wait(self)
 

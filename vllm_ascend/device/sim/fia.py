@@ -2,7 +2,8 @@
 ``.out`` overload, the graph path), on the CPU: attention of each request's query tokens over
 its paged (or TND) KV, causal from the bottom-right corner, in a band for sparse_mode 4. The
 host-side checks it makes first are in sim/fia_checks.py; the Python wrapper that gives the op
-torch_npu's keywords is in sim/__init__.py.
+torch_npu's keywords is in sim/__init__.py. The contract: ../shared/TORCH_NPU_CONTRACTS.md
+section 1; the call sites: docs/torch_npu_calls.md, "Attention".
 """
 
 import functools

@@ -19,7 +19,8 @@ captured task. At ``end`` the record is frozen as a graph pool would leave it:
 
 A task update replaces the host arguments of one captured op of a task group (``task_update``).
 Each live graph holds one stream of the device's budget (sim/streams.py); exhausting it raises
-error 207008.
+error 207008. The chip's graph APIs and their order: ../shared/TORCH_NPU_CONTRACTS.md sections 4
+and 8; their call sites: docs/torch_npu_calls.md, "Graphs".
 """
 
 import contextlib

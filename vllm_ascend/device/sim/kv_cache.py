@@ -1,5 +1,7 @@
 """torch_npu's ``npu_scatter_pa_kv_cache``: a step's keys and values written into the paged
-caches at their slots (slot -1: a padded token, nothing written), with the chip's checks."""
+caches at their slots (slot -1: a padded token, nothing written), with the chip's checks
+(../shared/TORCH_NPU_CONTRACTS.md section 2.1; its call site: docs/torch_npu_calls.md,
+"Attention")."""
 
 import functools
 

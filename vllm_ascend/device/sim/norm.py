@@ -1,6 +1,7 @@
 """torch_npu's RMS norms: ``npu_rms_norm`` and ``npu_add_rms_norm`` (the residual add fused in),
 with the chip's checks, their replay forms writing into a graph's outputs, and their shapes for
-torch.compile's tracing (torch_npu registers Meta kernels for its ops too)."""
+torch.compile's tracing (torch_npu registers Meta kernels for its ops too). The contracts:
+../shared/TORCH_NPU_CONTRACTS.md section 5; the call sites: docs/torch_npu_calls.md, "Fused ops"."""
 
 import torch
 

@@ -21,10 +21,11 @@ from vllm_ascend.device.sim.devices import (  # noqa: F401  (torch.npu's names)
     DEVICES_ENV, MEMORY_ENV, NODE_ENV, SOC_ENV, VISIBLE_ENV, DeviceContextError,
     configured_memory, current_device, device_count, devices_in_use, empty_cache,
     get_device_name, hold_device, is_initialized, max_memory_allocated, mem_get_info,
-    memory_allocated, memory_reserved, memory_stats, opened, reset_peak_memory_stats, soc_generation,
-    soc_name, total_memory)
+    memory_allocated, memory_reserved, memory_stats, opened, reset_peak_memory_stats,
+    soc_generation, soc_name, total_memory)
 from vllm_ascend.device.sim.errors import GraphReplayError
 from vllm_ascend.device.sim.events import Event, ExternalEvent  # noqa: F401
+from vllm_ascend.device.sim.graph_pool import GraphPool
 from vllm_ascend.device.sim.streams import (  # noqa: F401  (torch.npu's names)
     DEFAULT_STREAMS, STREAM_POOL, STREAMS, STREAMS_ENV, WAITING, Stream, check_no_waiting_replay,
     current_stream, default_stream, hold, is_current_stream_capturing, ordered_before, pop_guard,
@@ -54,7 +55,7 @@ class _PoolHandle:
     """What graph_pool_handle() returns: an opaque id of one memory pool."""
 
     def __init__(self):
-        self.pool = _graph.GraphPool()
+        self.pool = GraphPool()
 
 
 def graph_pool_handle() -> _PoolHandle:

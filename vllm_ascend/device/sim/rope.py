@@ -1,7 +1,7 @@
 """torch_npu's rotary embeddings: ``npu_rotary_mul`` (cos/sin given, half or interleaved) and
 ``npu_mrope`` (cos/sin gathered from a cache by position), with the chip's checks, the replay
 form of ``npu_rotary_mul`` writing into a graph's output, and their shapes for torch.compile's
-tracing."""
+tracing (../shared/TORCH_NPU_CONTRACTS.md section 5; docs/torch_npu_calls.md, "Fused ops")."""
 
 import torch
 

@@ -1,6 +1,7 @@
 """The simulator's device streams: their queued work and its order, the host's synchronisations,
 the stream budget that captured graphs draw on (``StreamPool``), and the replays held at an
-ExternalEvent (events are in sim/events.py, graphs in sim/npu.py and sim/graph.py).
+ExternalEvent (events are in sim/events.py, graphs in sim/npu.py and sim/graph.py), as
+../shared/TORCH_NPU_CONTRACTS.md sections 4 and 8 describe the chip's.
 
 The host is the device: torch ops run at once, in program order, as on the default stream.
 The work the simulator issues itself on a side stream (task updates, event records) is queued on
