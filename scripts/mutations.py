@@ -324,7 +324,8 @@ MUTATIONS = [
              "its bits differ from the same row among others, so a padded graph step is not the "
              "eager step",
              "vllm_ascend/device/sim/matmul.py", "            and a.shape[0] == 1)",
-             "            and a.shape[0] == 0)", ("tests/ut/test_sim_matmul.py",)),
+             "            and a.shape[0] == 0)", ("tests/ut/test_sim_matmul.py",),
+             needs="one-row-kernel"),
     Mutation("replayed-rope-reads-cos-for-sin",
              "a FULL or PIECEWISE replay's RoPE (the form that writes into the graph's output) "
              "multiplies the rotated half by cos: graphs rotate otherwise than eager steps",
@@ -608,9 +609,23 @@ MUTATIONS = [
 
 
 # What a mutation may need of the machine: a command that prints True where it has it.
+ONE_ROW_KERNEL = """
+import torch
+torch.manual_seed(0)
+differ = False
+for k, n in [(64, 192), (576, 3072), (1536, 576), (576, 49152), (2048, 1024)]:
+    x, w = torch.randn(2, k).to(torch.bfloat16), torch.randn(k, n).to(torch.bfloat16)
+    differ |= not torch.equal((x[:1] @ w)[0], (x @ w)[0])
+print(differ)
+"""
 NEEDS = {"packs": ("oneDNN packs bf16 weights on this CPU (AVX-512 BW/VL/DQ or AVX-NE-CONVERT); "
                    "elsewhere the packed products do not run",
-                   "from vllm_ascend.device.sim import matmul; print(matmul.cpu_packs_bf16())")}
+                   "from vllm_ascend.device.sim import matmul; print(matmul.cpu_packs_bf16())"),
+         # torch's bf16 kernel gives one row other bits than the same row among two (AVX-512:
+         # a vector kernel for one row); on an AVX2 CPU it does not, and padding changes nothing.
+         "one-row-kernel": ("torch's bf16 kernel gives a row of one other bits than the same row "
+                            "among two on this CPU (AVX-512-BF16); elsewhere padding changes "
+                            "nothing", ONE_ROW_KERNEL)}
 
 
 def machine_has(need: str) -> bool:

@@ -422,6 +422,12 @@ class Reference(tuple):
     def rescore(self, tokens) -> list[dict]:
         return hf_scores(self.path, self.prompt_ids, tuple(tokens))
 
+    def perturbed_gap(self, prefix, token) -> float:
+        """The least lead of the reference's choice over ``token`` after ``prefix``, over its
+        runs with every decoder layer's input perturbed below bfloat16's rounding
+        (hf_perturbed_gap)."""
+        return hf_perturbed_gap(self.path, self.prompt_ids, tuple(prefix), token)
+
 
 def _top(lp, token=None) -> dict:
     top = lp.topk(TOPK)
@@ -462,6 +468,46 @@ def hf_scores(path: str, prompt_ids: tuple[int, ...], tokens: tuple[int, ...]) -
         logits = model(torch.tensor([prompt_ids + tokens])).logits[0, len(prompt_ids) - 1:-1]
     lps = torch.log_softmax(logits.float(), -1)
     return [_top(lp, t) for lp, t in zip(lps, tokens)]
+
+
+# A cliff: where the reference's own output jumps under a perturbation of its activations
+# smaller than bfloat16's rounding (2^-9 relative, at most), a reference's lead proves nothing
+# about the engine, which computes in bfloat16. Measured on the W8A8 Qwen3-MoE export (the
+# poem's token 10): its lead of 2.87 over the engine's token falls to 0.44-0.83 in 4 of 20 runs
+# perturbed by 1e-3, by way of the int8 levels its activations are quantized to.
+PERTURBATION, PERTURBED_RUNS = 1e-3, 20
+
+
+@functools.lru_cache(maxsize=None)
+def hf_perturbed_gap(path: str, prompt_ids: tuple[int, ...], prefix: tuple[int, ...],
+                     token: int) -> float:
+    """The least lead, over PERTURBED_RUNS runs of HF's (fp32) model with each decoder layer's
+    input multiplied by 1 + PERTURBATION x N(0, 1) (a fixed seed), of its top token over
+    ``token`` after ``prefix``."""
+    import torch
+
+    _, model = _hf_model(path)
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        return float("inf")
+    generator = torch.Generator().manual_seed(0)
+
+    def perturb(module, args):
+        x = args[0]
+        return (x * (1 + PERTURBATION * torch.randn(x.shape, generator=generator)),) + args[1:]
+
+    handles = [layer.register_forward_pre_hook(perturb) for layer in layers]
+    leads = []
+    try:
+        with torch.no_grad():
+            for _ in range(PERTURBED_RUNS):
+                lp = model(torch.tensor([prompt_ids + prefix])).logits[0, -1].float()
+                lp = torch.log_softmax(lp, -1)
+                leads.append((lp.max() - lp[token]).item())
+    finally:
+        for handle in handles:
+            handle.remove()
+    return min(leads)
 
 
 def model_kind(path: str) -> str:
@@ -523,9 +569,11 @@ def hf_prompt_logprobs(path: str, ids: tuple[int, ...]) -> list[float]:
 def check_logprobs_close(reference: Reference, actual, label="", dtype="bfloat16") -> int:
     """The rule for output against HF transformers' fp32 reference, by value at every position:
     the chosen token's logprob within LOGPROB_TOLERANCE of the reference's logprob of the same
-    token given the same prefix. The sequences may part only at a near tie (the reference's
-    top-two gap there below the tolerance); from there on the reference is HF's scoring of the
-    actual sequence, so every position is still compared. Returns the positions compared."""
+    token given the same prefix. The sequences may part only at a near tie: the reference's
+    top-two gap there below the tolerance, or a cliff (the reference's lead over the chosen
+    token falls below the tolerance when its activations are perturbed below bfloat16's
+    rounding: hf_perturbed_gap); from there on the reference is HF's scoring of the actual
+    sequence, so every position is still compared. Returns the positions compared."""
     (ref_tokens, ref_steps), (tokens, steps) = reference, actual
     kind = model_kind(reference.path)
     tolerance = LOGPROB_TOLERANCE[kind, dtype]
@@ -540,9 +588,13 @@ def check_logprobs_close(reference: Reference, actual, label="", dtype="bfloat16
         ref = along[i]
         best = max(ref, key=ref.get)
         gap = ref[best] - ref.get(t, float("-inf"))
-        assert t == best or gap < tolerance, (
-            f"{label}: token {i} is {t}, the reference's choice {best} leads it by {gap:.4f}: "
-            f"not a near tie (under {tolerance}){where}\nhere      {got}\nreference {ref}")
+        perturbed = None  # measured only where the unperturbed lead is no near tie
+        if t != best and gap >= tolerance:
+            perturbed = reference.perturbed_gap(tokens[:i], t)
+        assert t == best or gap < tolerance or perturbed < tolerance, (
+            f"{label}: token {i} is {t}, the reference's choice {best} leads it by {gap:.4f} "
+            f"(by {perturbed:.4f} at least, perturbed below bfloat16's rounding): not a near "
+            f"tie (under {tolerance}){where}\nhere      {got}\nreference {ref}")
         drift = abs(got[t] - ref[t])
         _record_drift(kind, dtype, label, drift, None if t == best else gap)
         assert drift <= tolerance, (
