@@ -45,14 +45,23 @@ TIGHT = dict(gpu_memory_utilization=0.995, max_num_seqs=64, max_model_len=512,
 
 def test_graph_memory_is_kept_from_the_kv_cache_so_that_capture_fits(monkeypatch):
     """0.5 % of a 1 GiB device is left outside the request: less than SmolLM2's graphs hold at
-    capture sizes up to 128. Kept from the KV cache, they fit, and the engine answers."""
+    capture sizes up to 128. Kept from the KV cache, they fit, and the engine answers.
+
+    The margins, measured (7 December, an AVX2 CPU): graphs 12.4 MB, estimate 14.5 MB, the
+    unrequested share 5.1 MB, so 7.3 MB to spare, and the graphs 2.4 times the share the next
+    test leaves them. What the CPU's kernels keep for a product's shape is the simulator's host
+    memory, not the device's (sim/matmul.py measured_once): counted as the device's, oneDNN's
+    primitives for the small sizes, which the estimate does not sample, ran this engine out of
+    memory during capture on an AVX-512 CPU."""
     for name, value in SMALL_DEVICE.items():
         monkeypatch.setenv(name, value)
     with engine(model_path("smollm2"), **TIGHT) as llm:
         (figures,) = llm.collective_rpc("startup_figures")
         measured = figures["measured"]
-        assert measured["graphs"] > 0.005 * (1 << 30)  # more than the unrequested share
+        unrequested = (1 - TIGHT["gpu_memory_utilization"]) * (1 << 30)
+        assert measured["graphs"] > unrequested  # more than the unrequested share
         assert measured["graph_memory_estimate"] >= measured["graphs"] * 0.9
+        assert measured["graphs"] <= measured["graph_memory_estimate"] + unrequested
         prompt = "The capital of France is"
         check_logprobs_close(hf_greedy(model_path("smollm2"), prompt, 8),
                              vllm_greedy(llm, [prompt], 8)[0])

@@ -14,7 +14,7 @@ Each call returns pyACL's ``(value, ret)`` or ``ret``, with the runtime's error 
 (include/acl/error_codes/rt_error_codes.h): 107000 for an invalid argument (an unaligned size or
 address, a handle or address that is not live, mapping over a mapping), 207001 when the device
 has no memory left. A graph replay that reads an address whose memory is unmapped fails with
-507015 (graph.py), where the chip reports the AI core's memory fault at the next synchronize.
+507015 (sim/graph.py), where the chip reports the AI core's memory fault at the next synchronize.
 """
 
 import ctypes

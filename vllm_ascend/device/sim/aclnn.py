@@ -50,7 +50,7 @@ class _Capturing(threading.local):
         return t.copy_(noise[:n].view(t.shape))
 
 
-# Set by the graph recorder while it captures (sim/graph.py): the attention kernels then run their
+# Set while a graph is captured (sim/graph.py, around its recorder): the attention kernels run their
 # host-side checks, as the chip's tiling does at capture, and leave garbage in the output, as a
 # captured task runs at replay only. The capture of a FULL graph cost twice its attention before.
 CAPTURING = _Capturing()

@@ -28,7 +28,7 @@ def _scatter_impl(key, value, key_cache, value_cache, slot_mapping, *, cache_mod
         _check_scatter(key, value, key_cache, value_cache, slot_mapping, cache_mode)
     num_blocks, block_size = key_cache.shape[:2]
     # The checks on a host list (fewer ops than on the tensor): the kernel's own read, which a
-    # capture's refusal of the product's .tolist() (sim/graph.py) does not apply to.
+    # capture's refusal of the product's .tolist() (sim/recorder.py) does not apply to.
     values = torch._C.TensorBase.tolist(slot_mapping)
     if not values:
         return

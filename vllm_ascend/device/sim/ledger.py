@@ -32,7 +32,7 @@ LAUNCHES, REPLAYS, UPDATES, SYNCS, H2D = ("kernel launches", "graph replays", "t
 PLUGIN_SYNCS = "blocking syncs by vllm-ascend"
 ROWS = (LAUNCHES, REPLAYS, UPDATES, SYNCS, PLUGIN_SYNCS, H2D)
 _COUNTED_NAMESPACES = {"aten", "prims", "ascend_sim", "c10d"}
-# Ops that read a device value on the host (graph.py refuses them during capture).
+# Ops that read a device value on the host (recorder.py refuses them during capture).
 HOST_SYNCS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default,
               torch.ops.aten.is_nonzero.default, torch.ops.aten.equal.default}
 _ALLOCATIONS = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,

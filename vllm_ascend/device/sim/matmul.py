@@ -181,7 +181,7 @@ _KERNELS = {"mm": _mm, "mm.out": _mm_out, "addmm": _addmm, "addmm.out": _addmm_o
 
 
 def prepare_linear(targets, x, weight, bias=None):
-    """aten.linear as a graph replay writes it into its output (sim/graph.py), prepared once for
+    """aten.linear as a graph replay writes it into its output (sim/replay.py), prepared once for
     these captured tensors, which every replay reads again: the views a product reads are made
     now. A bfloat16 product of at most 8 rows reads its weight packed (``_Pack``); other small
     products call torch's kernel directly, as ``_mm`` does for the rows fixed at capture (a

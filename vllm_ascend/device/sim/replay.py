@@ -100,7 +100,7 @@ DIRECT: dict = {}
 
 
 def kernel_of(func, otherwise):
-    """What a replay calls for ``func``: an ascend_sim op's replay form (ops.REPLAY) or Python
+    """What a replay calls for ``func``: an ascend_sim op's replay form (aclnn.REPLAY) or Python
     kernel, else ``otherwise``."""
     if func.namespace != "ascend_sim":
         return otherwise
@@ -113,7 +113,7 @@ def kernel_of(func, otherwise):
 
 def _writer(func, args, kwargs, targets):
     """A call that writes ``func``'s results into ``targets``, if the op has one: an ascend_sim
-    op's kernel (ops.REPLAY_INTO), aten.linear's product (matmul.prepare_linear)."""
+    op's kernel (aclnn.REPLAY_INTO), aten.linear's product (matmul.prepare_linear)."""
     if func._overloadname != "default":
         return None
     if func is torch.ops.aten.linear.default:

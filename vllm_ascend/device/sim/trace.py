@@ -82,7 +82,7 @@ def traced(name: str, fn):
 
 
 # "name" or "name.overload" of each ascend_sim op -> its CPU kernel: a graph replay calls it
-# without the dispatcher (sim/graph.py), as a captured task runs without its host launch.
+# without the dispatcher (sim/replay.py), as a captured task runs without its host launch.
 KERNELS: dict = {}
 
 
