@@ -41,7 +41,7 @@ def check_fia_tensors(query, key, value, atten_mask, block_table, num_heads,
                       num_key_value_heads, input_layout, sparse_mode, block_size, pre_tokens,
                       next_tokens, err=fia_error):
     """check_fia's checks of the tensors and attributes: a captured task keeps them (a task
-    update may change its host lists only, sim/graph.py task_update), so a replay does not repeat these."""
+    update may change its host lists only: sim/graph.py), so a replay does not repeat these."""
     if input_layout != "TND":
         raise err(TILING_ERROR, f"input_layout {input_layout!r} is not simulated "
                   "(vllm-ascend uses TND)")
