@@ -592,9 +592,10 @@ def check_logprobs_close(reference: Reference, actual, label="", dtype="bfloat16
         if t != best and gap >= tolerance:
             perturbed = reference.perturbed_gap(tokens[:i], t)
         assert t == best or gap < tolerance or perturbed < tolerance, (
-            f"{label}: token {i} is {t}, the reference's choice {best} leads it by {gap:.4f} "
-            f"(by {perturbed:.4f} at least, perturbed below bfloat16's rounding): not a near "
-            f"tie (under {tolerance}){where}\nhere      {got}\nreference {ref}")
+            f"{label}: token {i} is {t}, the reference's choice {best} leads it by {gap:.4f}: "
+            f"not a near tie (under {tolerance}; by {perturbed:.4f} at least with its "
+            f"activations perturbed below bfloat16's rounding){where}\nhere      {got}\n"
+            f"reference {ref}")
         drift = abs(got[t] - ref[t])
         _record_drift(kind, dtype, label, drift, None if t == best else gap)
         assert drift <= tolerance, (

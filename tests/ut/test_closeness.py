@@ -13,15 +13,23 @@ STEPS = [{5: -0.1, 6: -2.5}, {7: -0.4, 8: -0.4 - TOL / 2, 2: -3.0}, {9: -0.05, 1
 
 
 class Scored(Reference):
-    """A reference whose scoring of another continuation is given (HF's, in the e2e tests)."""
+    """A reference whose scoring of another continuation is given (HF's, in the e2e tests), and
+    its least lead when perturbed (by default its plain lead: no cliff)."""
 
-    def __new__(cls, tokens, steps, along=None):
+    def __new__(cls, tokens, steps, along=None, perturbed=None):
         self = super().__new__(cls, tokens, steps, "tiny-model", ())
-        self.along = along
+        self.along, self.perturbed = along, perturbed or {}
         return self
 
     def rescore(self, tokens):
         return self.along[tuple(tokens)]
+
+    def perturbed_gap(self, prefix, token):
+        if (tuple(prefix), token) in self.perturbed:
+            return self.perturbed[tuple(prefix), token]
+        ref = (self.along[tuple(prefix) + (token,)] if prefix != self[0][:len(prefix)]
+               else self[1])[len(prefix)]
+        return max(ref.values()) - ref.get(token, float("-inf"))
 
 
 REFERENCE = Scored([5, 7, 9], STEPS)
@@ -61,6 +69,22 @@ def test_parting_at_a_near_tie_passes_and_the_positions_after_it_are_still_compa
     with pytest.raises(AssertionError, match=r"token 2 is 1, the reference's choice 4 leads it "
                                              r"by 1.0000: not a near tie"):
         check_logprobs_close(scored, got)
+
+
+def test_parting_at_a_cliff_of_the_reference_passes():
+    """Where the reference's own lead over the engine's token falls below the tolerance when its
+    activations are perturbed below bfloat16's rounding (hf_perturbed_gap), a lead above it is
+    no measure of a tie: the parting passes, and every position is still compared."""
+    first = {5: -0.1, 6: -0.1 - 1.5 * TOL}  # a lead of 0.6: no near tie, unperturbed
+    got = ([6, 7, 9], [{6: -0.4, 5: -0.5}, STEPS[1], STEPS[2]])  # 6: 0.3 from the reference's
+    after = {(6, 7, 9): [first, STEPS[1], STEPS[2]]}
+    cliff = Scored([5, 7, 9], [first, *STEPS[1:]], after, perturbed={((), 6): TOL / 2})
+    assert check_logprobs_close(cliff, got) == 3
+    steep = Scored([5, 7, 9], [first, *STEPS[1:]], after, perturbed={((), 6): 2 * TOL})
+    with pytest.raises(AssertionError, match=r"leads it by 0.6000: not a near tie \(under "
+                                             r"0.4; by 0.8000 at least with its activations "
+                                             r"perturbed"):
+        check_logprobs_close(steep, got)
 
 
 def test_parting_at_the_first_token_on_the_references_second_choice_fails():
