@@ -25,11 +25,10 @@ class Scored(Reference):
         return self.along[tuple(tokens)]
 
     def perturbed_gap(self, prefix, token):
-        if (tuple(prefix), token) in self.perturbed:
-            return self.perturbed[tuple(prefix), token]
-        ref = (self.along[tuple(prefix) + (token,)] if prefix != self[0][:len(prefix)]
-               else self[1])[len(prefix)]
-        return max(ref.values()) - ref.get(token, float("-inf"))
+        return self.perturbed.get(("gap", tuple(prefix), token), float("inf"))
+
+    def perturbed_drift(self, prefix, token, logprob):
+        return self.perturbed.get(("drift", tuple(prefix), token), float("inf"))
 
 
 REFERENCE = Scored([5, 7, 9], STEPS)
@@ -78,12 +77,27 @@ def test_parting_at_a_cliff_of_the_reference_passes():
     first = {5: -0.1, 6: -0.1 - 1.5 * TOL}  # a lead of 0.6: no near tie, unperturbed
     got = ([6, 7, 9], [{6: -0.4, 5: -0.5}, STEPS[1], STEPS[2]])  # 6: 0.3 from the reference's
     after = {(6, 7, 9): [first, STEPS[1], STEPS[2]]}
-    cliff = Scored([5, 7, 9], [first, *STEPS[1:]], after, perturbed={((), 6): TOL / 2})
+    cliff = Scored([5, 7, 9], [first, *STEPS[1:]], after, perturbed={("gap", (), 6): TOL / 2})
     assert check_logprobs_close(cliff, got) == 3
-    steep = Scored([5, 7, 9], [first, *STEPS[1:]], after, perturbed={((), 6): 2 * TOL})
+    steep = Scored([5, 7, 9], [first, *STEPS[1:]], after, perturbed={("gap", (), 6): 2 * TOL})
     with pytest.raises(AssertionError, match=r"leads it by 0.6000: not a near tie \(under "
                                              r"0.4; by 0.8000 at least with its activations "
                                              r"perturbed"):
+        check_logprobs_close(steep, got)
+
+
+def test_a_drift_within_the_tolerance_of_a_perturbed_reference_run_passes():
+    """A drift over the tolerance from the plain reference passes where one of the reference's
+    runs perturbed below bfloat16's rounding is within it (a cliff), and fails otherwise."""
+    got = shifted(-1.5 * TOL)
+    cliff = Scored([5, 7, 9], STEPS, perturbed={("drift", (), 5): TOL / 2,
+                                                ("drift", (5,), 7): TOL / 2,
+                                                ("drift", (5, 7), 9): TOL})
+    assert check_logprobs_close(cliff, got) == 3
+    steep = Scored([5, 7, 9], STEPS, perturbed={("drift", (), 5): 1.2 * TOL})
+    with pytest.raises(AssertionError, match=r"token 0 \(5\) has logprob -0.7000, reference "
+                                             r"-0.1000: 0.6000 apart, more than the 0.4 tiny bfloat16 allows "
+                                             r"\(and 0.4800 from the nearest"):
         check_logprobs_close(steep, got)
 
 
