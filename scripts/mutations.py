@@ -369,40 +369,36 @@ MUTATIONS = [
              ("tests/ut/test_sim_matmul.py::"
               "test_a_parameters_products_read_it_packed_with_the_plain_tensors_bits",),
              needs="packs"),
-    Mutation("packed-weight-misses-in-place-writes",
-             "a weight's packed copy is not made again after an in-place write to the weight: "
-             "products read the weights as they were",
+    Mutation("copied-weight-misses-in-place-writes",
+             "a weight's copy (packed, float32) is not made again after an in-place write to "
+             "the weight: products read the weights as they were",
              "vllm_ascend/device/sim/matmul.py",
              "        stamp = (weight._version, _DATA_TAKEN[0], _acl.raw_writes(), "
              "weight.data_ptr())",
              "        stamp = (0, _DATA_TAKEN[0], _acl.raw_writes(), weight.data_ptr())",
-             ("tests/ut/test_sim_matmul.py::test_a_packed_weight_is_read_as_last_written",),
-             needs="packs"),
-    Mutation("packed-weight-misses-data-writes",
+             ("tests/ut/test_sim_matmul.py::test_a_copied_weight_is_read_as_last_written",)),
+    Mutation("copied-weight-misses-data-writes",
              "a write through .data (vLLM's weight loaders: a reload after sleep mode, new "
              "weights from a trainer) leaves products reading the old weights",
              "vllm_ascend/device/sim/matmul.py",
              "    _DATA_TAKEN[0] += 1",
              "    _DATA_TAKEN[0] += 0",
-             ("tests/ut/test_sim_matmul.py::test_a_packed_weight_is_read_as_last_written",),
-             needs="packs"),
-    Mutation("packed-weight-misses-device-memory-writes",
+             ("tests/ut/test_sim_matmul.py::test_a_copied_weight_is_read_as_last_written",)),
+    Mutation("copied-weight-misses-device-memory-writes",
              "memory ACL discarded and mapped again (sleep mode) is read as it was before",
              "vllm_ascend/device/sim/matmul.py",
              "        stamp = (weight._version, _DATA_TAKEN[0], _acl.raw_writes(), "
              "weight.data_ptr())",
              "        stamp = (weight._version, _DATA_TAKEN[0], 0, weight.data_ptr())",
-             ("tests/ut/test_sim_matmul.py::test_a_packed_weight_is_read_as_last_written",),
-             needs="packs"),
-    Mutation("packs-outlive-their-weights",
-             "a weight's packed copy stays after the weight is freed: host memory grows with "
-             "every engine a process starts",
+             ("tests/ut/test_sim_matmul.py::test_a_copied_weight_is_read_as_last_written",)),
+    Mutation("copies-outlive-their-weights",
+             "a weight's copies (packed, float32) stay after the weight is freed: host memory "
+             "grows with every engine a process starts",
              "vllm_ascend/device/sim/matmul.py",
-             "        weakref.finalize(storage, _PACKS.pop, key, None)",
+             "        weakref.finalize(storage, _COPIES.pop, key, None)",
              "        pass",
              ("tests/ut/test_sim_matmul.py::"
-              "test_a_pack_lives_as_long_as_its_weights_memory_and_the_device",),
-             needs="packs"),
+              "test_a_copy_lives_as_long_as_its_weights_memory_and_the_device",)),
     Mutation("packs-counted-as-device-memory",
              "the simulator counts a model's packed weights as device memory: its KV cache and "
              "start-up figures differ from the chip's by a second copy of the weights",
@@ -410,17 +406,41 @@ MUTATIONS = [
              "    _memory.simulator_holds(nbytes)",
              "    pass",
              ("tests/ut/test_sim_matmul.py::"
-              "test_a_pack_is_the_simulators_memory_not_the_devices",),
+              "test_a_copy_is_the_simulators_memory_not_the_devices",),
              needs="packs"),
-    Mutation("packs-outlive-their-engines",
-             "the packed copies stay when the device's last worker shuts down: vLLM keeps a "
-             "model's parameters alive, so each engine a process starts adds its packs",
+    Mutation("copies-outlive-their-engines",
+             "the weights' copies (packed, float32) stay when the device's last worker shuts "
+             "down: vLLM keeps a model's parameters alive, so each engine a process starts adds "
+             "its copies",
              "vllm_ascend/device/sim/matmul.py",
-             "        pack.stamp = pack.packed = None",
+             "        copies.stamp = copies.packed = copies.wide = None",
              "        pass",
              ("tests/ut/test_sim_matmul.py::"
-              "test_a_pack_lives_as_long_as_its_weights_memory_and_the_device",),
-             needs="packs"),
+              "test_a_copy_lives_as_long_as_its_weights_memory_and_the_device",)),
+    Mutation("float32-copy-made-at-every-call",
+             "a model's weight is converted to float32 at every product of 9 rows or more (as "
+             "09e93d8 did): served SmolLM2 is a third slower",
+             "vllm_ascend/device/sim/matmul.py",
+             "        if self.wide is None:",
+             "        if True:",
+             ("tests/ut/test_sim_matmul.py::"
+              "test_a_weight_is_converted_once_for_its_products_of_9_rows_or_more",)),
+    Mutation("float32-copies-counted-as-device-memory",
+             "the simulator counts a model's float32 copies as device memory: a second copy of "
+             "the weights, twice their size, comes out of the KV cache",
+             "vllm_ascend/device/sim/matmul.py",
+             "    _memory.simulator_holds(size)",
+             "    pass",
+             ("tests/ut/test_sim_matmul.py::"
+              "test_a_copy_is_the_simulators_memory_not_the_devices",)),
+    Mutation("replay-waits-on-the-host",
+             "every graph replay keeps the host 10 ms longer (a wait a replay should not have): "
+             "the default graph mode serves slower than eager",
+             "vllm_ascend/device/sim/npu.py",
+             "        blocked_at = self._graph.run(0)",
+             "        blocked_at = __import__('time').sleep(0.01) or self._graph.run(0)",
+             ("tests/e2e/test_serve_throughput.py::"
+              "test_the_default_graph_mode_serves_no_slower_than_eager",)),
     Mutation("kernel-caches-counted-as-device-memory",
              "what the CPU's libraries keep for a product's shape (oneDNN's primitives) counts "
              "as device memory: on a CPU whose kernels cache, a capture outgrows the graphs' "

@@ -156,8 +156,8 @@ def test_a_replays_products_write_what_eager_linear_returns(rows, weights):
     """A replay writes aten.linear's products into the graph's outputs without the dispatcher
     (matmul.prepare_linear): the eager op's bits for one row (padded), a few and many (float32),
     with and without a bias, each product counted as one replayed aten::linear. A model's
-    weights (parameters) are read packed up to 8 rows (on a CPU whose oneDNN packs bf16), other
-    tensors through torch's kernel."""
+    weights (parameters) are read packed up to 8 rows (on a CPU whose oneDNN packs bf16) and
+    through their float32 copy from 9, other tensors through torch's kernel or converted."""
     from vllm_ascend.device.sim import matmul
     from vllm_ascend.device.sim.ledger import Ledger
 
@@ -171,8 +171,10 @@ def test_a_replays_products_write_what_eager_linear_returns(rows, weights):
     with Ledger() as ledger:
         g.replay()
         npu.synchronize()
-    assert (matmul._pack_of(w).stamp is not None) == (
+    copies = matmul._copies_of(w)
+    assert (copies.packed is not None) == (
         weights == "parameters" and rows <= 8 and matmul.cpu_packs_bf16())
+    assert (copies.wide is not None) == (weights == "parameters" and rows >= 9)
     for got, expected in zip(outs, products(*args)):
         assert torch.equal(got, expected)
     assert dict(ledger.replayed_ops) == {"aten::linear": 2}

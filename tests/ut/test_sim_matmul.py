@@ -108,13 +108,13 @@ def test_rows_all_alike_take_one_rows_product_with_the_same_bits(dtype, rows, mo
                         lambda a, b: computed.append(a.shape[0]) or whole(a, b))
     got, got_bias = alike @ w.t(), torch.nn.functional.linear(alike, w, bias)
     assert computed == [1, 1]
-    assert torch.equal(got, whole(alike, w.t()).to(dtype))
-    assert torch.equal(got_bias, (whole(alike, w.t()) + bias.float()).to(dtype))
+    assert torch.equal(got, whole(alike, w.t().float()).to(dtype))
+    assert torch.equal(got_bias, (whole(alike, w.t().float()) + bias.float()).to(dtype))
     for i, value in ((rows - 1, -0.0), (rows // 2, 1e-3)):
         differs = alike.clone()
         differs[i, 7] = value
         computed.clear()
-        assert torch.equal(differs @ w.t(), whole(differs, w.t()).to(dtype))
+        assert torch.equal(differs @ w.t(), whole(differs, w.t().float()).to(dtype))
         assert computed == [rows]
 
 
@@ -126,7 +126,7 @@ def parameter(*shape) -> torch.nn.Parameter:
 @pytest.mark.parametrize("k,n", SHAPES + [(4096, 11008)])
 def test_a_parameters_products_read_it_packed_with_the_plain_tensors_bits(k, n):
     """A model's bf16 weight is read through oneDNN's packed copy by its products of 1 to 8 rows
-    (matmul._Pack): the bits of the same values in a plain tensor (torch's kernel), with and
+    (matmul._Copies): the bits of the same values in a plain tensor (torch's kernel), with and
     without a bias. (One row is padded to two there too: on this project's AVX-512-BF16 EPYC,
     a packed [1, 4096] x [4096, 11008] product has other bits than two rows' first.)"""
     torch.manual_seed(4)
@@ -136,7 +136,7 @@ def test_a_parameters_products_read_it_packed_with_the_plain_tensors_bits(k, n):
             for b in (None, bias):
                 got = torch.nn.functional.linear(x[:rows], w, b)
                 assert torch.equal(got, torch.nn.functional.linear(x[:rows], w.detach(), b))
-    pack = matmul._pack_of(w)
+    pack = matmul._copies_of(w)
     # Read packed where the CPU packs; elsewhere never packed (nor refused: torch's kernel).
     assert (pack.stamp is not None and pack.packed is not None) == PACKS
     assert matmul._CPU_PACKS[0] == PACKS
@@ -157,19 +157,24 @@ def test_the_cpu_is_asked_once_whether_it_packs(monkeypatch):
     with torch.inference_mode():
         assert torch.equal(torch.nn.functional.linear(x, w),
                            torch.nn.functional.linear(x, w.detach()))
-    assert matmul._pack_of(w).packed is None
+    assert matmul._copies_of(w).packed is None
 
 
+# A weight's copies: packed for 2 rows (where the CPU packs), float32 for 16 rows (any CPU).
+COPIES = [pytest.param(2, "packed", marks=needs_packs), (16, "wide")]
+
+
+@pytest.mark.parametrize("rows,copy", COPIES)
 @pytest.mark.parametrize("write", ["in_place", "through_data", "device_memory"])
-def test_a_packed_weight_is_read_as_last_written(write):
-    """Eager and replayed products read a weight's packed copy, which is made again after a
-    write by any path the simulator sees: an in-place op (the version counter), ``.data``
-    (vLLM's weight loaders) and ACL's device memory (sleep mode's discard and wake-up, after
-    which the contents are undefined: zeros here)."""
+def test_a_copied_weight_is_read_as_last_written(write, rows, copy):
+    """Eager and replayed products read a weight's copy (packed for 1 to 8 rows, float32 from
+    9), which is made again after a write by any path the simulator sees: an in-place op (the
+    version counter), ``.data`` (vLLM's weight loaders) and ACL's device memory (sleep mode's
+    discard and wake-up, after which the contents are undefined: zeros here)."""
     allocator = NPUMemAllocator()
     with allocator.use_memory_pool("weights"):
         w = parameter(96, 64)
-    x = torch.randn(2, 64).to(BF16)
+    x = torch.randn(rows, 64).to(BF16)
     with torch.inference_mode():
         g = npu.NPUGraph()
         with npu.graph(g):
@@ -177,6 +182,7 @@ def test_a_packed_weight_is_read_as_last_written(write):
         g.replay()
         npu.synchronize()
         assert torch.equal(out, torch.nn.functional.linear(x, w.detach()))
+        assert getattr(matmul._copies_of(w), copy) is not None
     new = torch.randn(96, 64).to(BF16)
     if write == "in_place":
         w.copy_(new)
@@ -186,7 +192,7 @@ def test_a_packed_weight_is_read_as_last_written(write):
         allocator.sleep(offload_tags=())
         allocator.wake_up()
     with torch.inference_mode():
-        expected = torch.nn.functional.linear(x, w.detach())  # torch's kernel: nothing packed
+        expected = torch.nn.functional.linear(x, w.detach())  # a plain tensor: nothing copied
         assert not torch.equal(out, expected)
         assert torch.equal(torch.nn.functional.linear(x, w), expected)
         g.replay()
@@ -194,31 +200,47 @@ def test_a_packed_weight_is_read_as_last_written(write):
         assert torch.equal(out, expected)
 
 
-@needs_packs
-def test_a_pack_lives_as_long_as_its_weights_memory_and_the_device():
-    """A weight's pack goes with its memory, and with the device's last worker (vLLM's compiled
-    code keeps a model's parameters alive after its engine): a later product packs again."""
-    w, x = parameter(32, 16), torch.randn(2, 16).to(BF16)
+def test_a_weight_is_converted_once_for_its_products_of_9_rows_or_more(monkeypatch):
+    """A model's weight is converted to float32 once, at its first product of 9 rows or more,
+    not at every call (as 09e93d8 did: served SmolLM2 lost a third of its speed); a plain
+    tensor (an activation, LoRA's stacked weights) is converted at each call."""
+    calls = []
+    real = matmul._held
+    monkeypatch.setattr(matmul, "_held", lambda copy: calls.append(copy.shape) or real(copy))
+    w, x = parameter(96, 64), torch.randn(16, 64).to(BF16)
+    with torch.inference_mode():
+        for rows in (9, 16, 16, 100):
+            got = torch.nn.functional.linear(x.repeat(7, 1)[:rows], w)
+            assert torch.equal(got, torch.nn.functional.linear(x.repeat(7, 1)[:rows],
+                                                               w.detach()))
+    assert calls == [(96, 64)]
+
+
+@pytest.mark.parametrize("rows,copy", COPIES)
+def test_a_copy_lives_as_long_as_its_weights_memory_and_the_device(rows, copy):
+    """A weight's copies go with its memory, and with the device's last worker (vLLM's compiled
+    code keeps a model's parameters alive after its engine): a later product copies again."""
+    w, x = parameter(32, 16), torch.randn(rows, 16).to(BF16)
     key = (w.untyped_storage().data_ptr(), 0, (32, 16))
     with torch.inference_mode():
         torch.nn.functional.linear(x, w)
-        assert matmul._PACKS[key].packed is not None
+        assert getattr(matmul._COPIES[key], copy) is not None
         npu.release_device()  # (the test's fixture opened the device)
         npu.set_device(0)
-        assert matmul._PACKS[key].packed is None
+        assert getattr(matmul._COPIES[key], copy) is None
         torch.nn.functional.linear(x, w)
-        assert matmul._PACKS[key].packed is not None
+        assert getattr(matmul._COPIES[key], copy) is not None
     del w
     gc.collect()
-    assert key not in matmul._PACKS
+    assert key not in matmul._COPIES
 
 
-@needs_packs
-def test_a_pack_is_the_simulators_memory_not_the_devices():
-    """The simulator counts the C heap as the device's memory (sim/memory.py): a weight's packed
+@pytest.mark.parametrize("rows,copy", COPIES)
+def test_a_copy_is_the_simulators_memory_not_the_devices(rows, copy):
+    """The simulator counts the C heap as the device's memory (sim/memory.py): a weight's
     copy is host memory a chip would not hold, so it is not counted, while it lives or after."""
     held = memory._ACCOUNT.simulator
-    w, x = parameter(8192, 1024), torch.randn(2, 1024).to(BF16)  # a 16 MB weight
+    w, x = parameter(8192, 1024), torch.randn(rows, 1024).to(BF16)  # a 16 MB weight
     before = memory.allocated()
     with torch.inference_mode():
         torch.nn.functional.linear(x, w)

@@ -6,8 +6,10 @@ the float32 speed on a CPU without bf16 instructions (measured on this project's
 2-core AVX2 EPYC: 10 GFLOP/s for a [512, 576] x [576, 3072] bf16 product, 65 in float32), which
 made vLLM's default start-up (a profile run of 8192 tokens, then 86 graph captures) take 18
 minutes on SmolLM2-135M. From ``FP32_FROM_ROWS`` rows on, the simulator computes such products in
-float32 and rounds once, as the chip does; fewer rows keep torch's own kernel, which converts no
-weight and is faster there (1 row: 0.37 ms vs 1.40 ms for the same product).
+float32 and rounds once, as the chip does, reading a model's weight through a float32 copy made
+once (``_Copies``; converting it at every call cost more than the product); fewer rows keep
+torch's own kernel, which is faster there (1 row: 0.37 ms vs 1.40 ms for the same product with
+the weight converted).
 
 Batch invariance is kept, so a graph's padded batch computes each real row exactly as the eager
 step does. torch's bf16 kernel does not give a row the same bits whatever the other rows on
@@ -35,7 +37,7 @@ The check costs one comparison of the rows, against a product that costs a row's
 times the output's width.
 
 A model's bfloat16 weight (an nn.Parameter) is read by its products of 1 to 8 rows, eager and
-replayed, through oneDNN's packed copy of it (``_Pack``): torch's kernel reorders the weight at
+replayed, through oneDNN's packed copy of it (``_Copies``): torch's kernel reorders the weight at
 every call, which made the products of a SmolLM2 decode step cost about twice their reads. The
 bits are those of torch's kernel (tests/ut/test_sim_matmul.py); the copy is made again when the
 weight may have been written. oneDNN packs bf16 weights only on a CPU with AVX-512 (BW, VL, DQ)
@@ -68,11 +70,12 @@ def _fast(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _product_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b in float32: one row's product repeated if every row is the same, bit for bit."""
-    n = a.shape[0]
+    """a @ b in float32: one row's product repeated if every row is the same, bit for bit. A
+    model's weight is read through its float32 copy (``_Copies.wide``)."""
+    n, b32 = a.shape[0], _wide(b)
     if rows_alike(a):
-        return _padded_product(a[:1], b).expand(n, -1).contiguous()
-    return _padded_product(a, b)
+        return _padded_product(a[:1], b32).expand(n, -1).contiguous()
+    return _padded_product(a, b32)
 
 
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -96,11 +99,10 @@ def _row_blocks(n: int):
         rows = min(start, LAST_BLOCK)
 
 
-def _padded_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b in float32, block by fixed row block, the last padded (batch-invariant)."""
+def _padded_product(a: torch.Tensor, b32: torch.Tensor) -> torch.Tensor:
+    """a @ b32 in float32, block by fixed row block, the last padded (batch-invariant)."""
     n = a.shape[0]
-    b32 = b.to(torch.float32)
-    out = torch.empty(n, b.shape[1], dtype=torch.float32)
+    out = torch.empty(n, b32.shape[1], dtype=torch.float32)
     for start, rows in _row_blocks(n):
         block = torch.zeros(rows, a.shape[1], dtype=torch.float32)
         real = min(rows, n - start)
@@ -183,7 +185,7 @@ _KERNELS = {"mm": _mm, "mm.out": _mm_out, "addmm": _addmm, "addmm.out": _addmm_o
 def prepare_linear(targets, x, weight, bias=None):
     """aten.linear as a graph replay writes it into its output (sim/replay.py), prepared once for
     these captured tensors, which every replay reads again: the views a product reads are made
-    now. A bfloat16 product of at most 8 rows reads its weight packed (``_Pack``); other small
+    now. A bfloat16 product of at most 8 rows reads its weight packed (``_Copies``); other small
     products call torch's kernel directly, as ``_mm`` does for the rows fixed at capture (a
     batch-1 SmolLM2 replay's 120 products took 1 ms more through linear's decomposition and the
     boxed call into Python)."""
@@ -192,7 +194,7 @@ def prepare_linear(targets, x, weight, bias=None):
         return lambda *_, **__: torch._C._nn.linear(x, weight, bias, out=out)
     owner = _parameter_of(weight)  # a capture passes a parameter's plain alias
     if owner is not None and _packable(x, owner, bias):
-        pack, rows, n = _pack_of(owner), _padded_rows(x), x.shape[0]
+        pack, rows, n = _copies_of(owner), _padded_rows(x), x.shape[0]
         return lambda *_, **__: out.copy_(pack.product(rows, owner, bias)[:n])
     if bias is not None:  # linear's addmm
         return lambda *_, **__: torch._C._nn.linear(x, weight, bias, out=out)
@@ -206,9 +208,9 @@ def prepare_linear(targets, x, weight, bias=None):
     return lambda *_, **__: _mm_out(_CPU_KEYS, x, transposed, out=out)
 
 
-# -- a weight read packed ------------------------------------------------------------------------
+# -- a weight's copies ---------------------------------------------------------------------------
 PACKED_FOR_ROWS = 8  # oneDNN packs for this many rows; the bits are the same for 1 to 8
-_PACKS: dict = {}  # (storage address, offset, shape) -> _Pack
+_COPIES: dict = {}  # (storage address, offset, shape) -> _Copies
 _DATA_TAKEN = [0]  # `.data` taken of any tensor in this process
 _BF16 = torch.bfloat16
 _LINEAR = torch.ops.mkldnn._linear_pointwise.default if torch.backends.mkldnn.is_available() \
@@ -238,61 +240,89 @@ def _packable(x, weight, bias) -> bool:
             and (bias is None or (bias.dtype is _BF16 and bias.dim() == 1)))
 
 
-def _pack_of(weight) -> "_Pack":
-    """The pack of ``weight``'s memory, shared by every product that reads it."""
+def _copies_of(weight) -> "_Copies":
+    """The copies of ``weight``'s memory, shared by every product that reads it."""
     storage = weight.untyped_storage()
     key = (storage.data_ptr(), weight.storage_offset(), tuple(weight.shape))
-    pack = _PACKS.get(key)
-    if pack is None or pack.storage() is not storage:
-        pack = _PACKS[key] = _Pack(storage)
-        weakref.finalize(storage, _PACKS.pop, key, None)
-    return pack
+    copies = _COPIES.get(key)
+    if copies is None or copies.storage() is not storage:
+        copies = _COPIES[key] = _Copies(storage)
+        weakref.finalize(storage, _COPIES.pop, key, None)
+    return copies
 
 
-def release_packs() -> None:
-    """The device's last worker shut down: every packed copy goes (a later product makes its
-    weight's again). vLLM's compiled code keeps a model's parameters alive after its engine in
-    the same process, and would keep their packs (270 MB an engine of SmolLM2)."""
-    for pack in _PACKS.values():
-        pack.stamp = pack.packed = None
+def release_copies() -> None:
+    """The device's last worker shut down: every copy of a weight goes (a later product makes
+    its weight's again). vLLM's compiled code keeps a model's parameters alive after its engine
+    in the same process, and would keep their copies (270 MB packed and 540 MB in float32 an
+    engine of SmolLM2)."""
+    for copies in _COPIES.values():
+        copies.stamp = copies.packed = copies.wide = None
 
 
-class _Pack:
-    """oneDNN's blocked copy of a model's bfloat16 weight (an nn.Parameter [n, k]), which its
-    products of 1 to 8 rows read, eager or replayed. torch's bf16 kernel hands oneDNN the plain
-    weight, which it reorders into such a layout at every call (a SmolLM2 step's 121 products
-    of one row: 6.1 ms packed, 12-15 ms through torch's kernel, 13.7 through oneDNN's given the
-    plain weight). The bits are those torch's kernel gives 1 to 8 rows (one padded to two) on
-    this project's CPU, which tests/ut/test_sim_matmul.py checks: a CPU where they differ fails
-    it. (Checking at run time made two oneDNN primitives, kept in its cache, for each row count
-    and shape: 63 MB more in a SmolLM2 capture, which the simulator counts as the device's.)
+class _Copies:
+    """A model's weight (an nn.Parameter [n, k], bfloat16 or float16) as the simulator's
+    products read it, made once and again only when the weight may have been written:
 
-    The copy is the simulator's host memory, not the device's (sim/memory.py does not count
-    it). It is made again before a product when the weight may have been written since it was
-    made: its version counter moved (an in-place op on it or on a view of it), its memory moved,
-    a ``.data`` of any tensor was taken (vLLM's weight loaders write through ``param.data``,
+    - ``packed``: oneDNN's blocked copy of a bfloat16 weight, which its products of 1 to 8 rows
+      read, eager or replayed. torch's bf16 kernel hands oneDNN the plain weight, which it
+      reorders into such a layout at every call (a SmolLM2 step's 121 products of one row:
+      6.1 ms packed, 12-15 ms through torch's kernel, 13.7 through oneDNN's given the plain
+      weight). The bits are those torch's kernel gives 1 to 8 rows (one padded to two) on this
+      project's CPU, which tests/ut/test_sim_matmul.py checks: a CPU where they differ fails
+      it. (Checking at run time made two oneDNN primitives, kept in its cache, for each row
+      count and shape: 63 MB more in a SmolLM2 capture, which the simulator counts as the
+      device's.)
+    - ``wide``: the weight in float32, which its products of 9 rows or more read. Converting
+      the weight at every call cost more than the product (SmolLM2's LM head at 16 rows on an
+      AVX2 CPU: 75.2 ms converted, 24.6 from the copy); the same bits: a conversion is exact.
+
+    The copies are the simulator's host memory, not the device's (sim/memory.py does not count
+    them). They are made again before a product when the weight may have been written since:
+    its version counter moved (an in-place op on it or on a view of it), its memory moved, a
+    ``.data`` of any tensor was taken (vLLM's weight loaders write through ``param.data``,
     which has a counter of its own), or ACL mapped or copied into device memory (sleep mode:
     acl.raw_writes). A write none of these sees, a collective or a NumPy array writing into the
-    weight's memory, is missed: the product then reads the weight as it was packed."""
+    weight's memory, is missed: the product then reads the weight as it was copied."""
 
     def __init__(self, storage):
         self.storage = weakref.ref(storage)
-        self.stamp, self.packed = None, None
+        self.stamp, self.packed, self.wide = None, None, None
+
+    def _fresh(self, weight) -> None:
+        stamp = (weight._version, _DATA_TAKEN[0], _acl.raw_writes(), weight.data_ptr())
+        if stamp != self.stamp:
+            self.stamp, self.packed, self.wide = stamp, None, None
 
     def product(self, rows, weight, bias):
         """rows @ weight.T (+ bias), rows as ``_mm`` gives them to torch's kernel."""
-        stamp = (weight._version, _DATA_TAKEN[0], _acl.raw_writes(), weight.data_ptr())
-        if stamp != self.stamp:
-            self.stamp, self.packed = stamp, _packed(weight)
+        self._fresh(weight)
+        if self.packed is None:
+            self.packed = _packed(weight)
         key = ("packed", rows.shape, weight.shape, bias is None)
         if key not in _MEASURED:  # (measured_once marks it, then calls back)
             return measured_once(key, lambda: self.product(rows, weight, bias))
         return _LINEAR(rows, self.packed, bias, "none", [], "")
 
+    def float32(self, weight) -> torch.Tensor:
+        """``weight`` in float32."""
+        self._fresh(weight)
+        if self.wide is None:
+            self.wide = _held(weight.to(torch.float32))
+        return self.wide
+
+
+def _wide(b: torch.Tensor) -> torch.Tensor:
+    """b in float32: a model's weight seen transposed (aten.linear's view) through its copy."""
+    weight = _parameter_of(b.t()) if b._base is not None else None
+    if weight is None or weight.is_inference():
+        return b.to(torch.float32)
+    return _copies_of(weight).float32(weight).t()
+
 
 def _read_packed(a, weight, bias):
     rows = _padded_rows(a)
-    return _pack_of(weight).product(rows, weight, bias)[: a.shape[0]]
+    return _copies_of(weight).product(rows, weight, bias)[: a.shape[0]]
 
 
 def _parameter_of(t):
@@ -325,6 +355,14 @@ def _packed(weight):
     _memory.simulator_holds(nbytes)
     weakref.finalize(packed, _memory.simulator_holds, -nbytes)
     return packed
+
+
+def _held(copy: torch.Tensor) -> torch.Tensor:
+    """A copy the simulator holds for itself: host memory, not the device's."""
+    size = copy.untyped_storage().nbytes()
+    _memory.simulator_holds(size)
+    weakref.finalize(copy, _memory.simulator_holds, -size)
+    return copy
 
 
 _DATA = torch._C.TensorBase.data

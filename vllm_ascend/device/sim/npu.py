@@ -46,9 +46,9 @@ def set_device(device) -> None:
 
 def release_device() -> None:
     """A worker using this process's device shut down (sim/devices.py); with the last one the
-    weights' packed copies go too (sim/matmul.py)."""
+    weights' copies go too (sim/matmul.py)."""
     if _devices.release_device():
-        _matmul.release_packs()
+        _matmul.release_copies()
 
 
 class _PoolHandle:
