@@ -194,8 +194,8 @@ def prepare_linear(targets, x, weight, bias=None):
         return lambda *_, **__: torch._C._nn.linear(x, weight, bias, out=out)
     owner = _parameter_of(weight)  # a capture passes a parameter's plain alias
     if owner is not None and _packable(x, owner, bias):
-        pack, rows, n = _copies_of(owner), _padded_rows(x), x.shape[0]
-        return lambda *_, **__: out.copy_(pack.product(rows, owner, bias)[:n])
+        copies, rows, n = _copies_of(owner), _padded_rows(x), x.shape[0]
+        return lambda *_, **__: out.copy_(copies.product(rows, owner, bias)[:n])
     if bias is not None:  # linear's addmm
         return lambda *_, **__: torch._C._nn.linear(x, weight, bias, out=out)
     transposed = weight.t()
