@@ -15,6 +15,7 @@ import torch
 from vllm_ascend.device.sim import activation  # noqa: F401  (npu_swiglu)
 from vllm_ascend.device.sim import fia  # noqa: F401  (FIA v1)
 from vllm_ascend.device.sim import fia_checks as _fia_checks
+from vllm_ascend.device.sim import gdn  # noqa: F401  (the Gated DeltaNet operators)
 from vllm_ascend.device.sim import graph_pool as _graph_pool
 from vllm_ascend.device.sim import kv_cache  # noqa: F401  (npu_scatter_pa_kv_cache)
 from vllm_ascend.device.sim import mc2  # noqa: F401  (the MC2 operators)
@@ -211,6 +212,22 @@ npu_quantize = torch.ops.ascend_sim.npu_quantize
 npu_quant_matmul = torch.ops.ascend_sim.npu_quant_matmul
 npu_add_rms_norm_quant = torch.ops.ascend_sim.npu_add_rms_norm_quant
 npu_add_rms_norm_dynamic_quant = torch.ops.ascend_sim.npu_add_rms_norm_dynamic_quant
+
+
+def npu_chunk_gated_delta_rule(query, key, value, *, beta=None, initial_state=None,
+                               actual_seq_lengths=None, scale=None, g=None):
+    return torch.ops.ascend_sim.npu_chunk_gated_delta_rule(
+        query, key, value, beta=beta, initial_state=initial_state,
+        actual_seq_lengths=actual_seq_lengths, scale=scale, g=g)
+
+
+def npu_recurrent_gated_delta_rule(query, key, value, state, *, beta=None, scale=None,
+                                   actual_seq_lengths=None, ssm_state_indices=None,
+                                   num_accepted_tokens=None, g=None, gk=None):
+    return torch.ops.ascend_sim.npu_recurrent_gated_delta_rule(
+        query, key, value, state, beta=beta, scale=scale,
+        actual_seq_lengths=actual_seq_lengths, ssm_state_indices=ssm_state_indices,
+        num_accepted_tokens=num_accepted_tokens, g=g, gk=gk)
 
 
 def npu_rotary_mul(input, r1, r2, rotary_mode="half", rotate=None):

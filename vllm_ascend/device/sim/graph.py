@@ -227,7 +227,10 @@ class SimGraph:
                     groups.update(group_name(a) for a in tree_flatten((args, kwargs))[0]
                                   if isinstance(a, torch.ScriptObject) and
                                   "ProcessGroup" in str(a._type()))
-                elif kind == "mutate":
+                elif kind == "mutate" and not (func.namespace == "ascend_sim" and any(
+                        r.alias_info is None for r in func._schema.returns)):
+                    # (a simulator op that updates a state in place and returns a new result,
+                    # as the recurrent delta rule, writes that result into the graph's output)
                     calls.append((kernel_of(func, func), args, kwargs, group))
                 else:
                     calls.append(compute_call(func, args, kwargs,
