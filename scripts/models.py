@@ -70,6 +70,24 @@ TINY_FAMILIES = {
         "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
         "shared_expert_intermediate_size": 128, "norm_topk_prob": False,
         "decoder_sparse_step": 1, "mlp_only_layers": []}),
+    # Qwen3-Next: a Gated DeltaNet layer (the linear attention's key and value heads of 128, the
+    # widths torch_npu's chunked delta rule takes; 2 key heads, 4 value heads; a conv kernel of
+    # 4) with a dense MLP, then a full-attention layer with a gated output (2 KV heads of 128, a
+    # partial rotary of 32: a block of 256 tokens' K is one recurrent state, attention/hybrid.py)
+    # with an MoE of 2 experts (both chosen, as GPT-OSS's) and a shared one. With 8 experts
+    # (top-2) in both layers HF's own bfloat16 run departed from its fp32 run by up to 4.2 nats
+    # along the test prompts' greedy paths; dense in the first layer, two experts in the second
+    # and the conv taps drawn at HF's scale, with slower decays (_draw), 0.25.
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", {
+        "head_dim": 128, "partial_rotary_factor": 0.25,
+        "layer_types": ["linear_attention", "full_attention"], "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4, "num_experts": 2, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64,
+        "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [0]}),
+    # Mamba-2 (attention-free, state-space layers only): for its start-up refusal, config only.
+    "mamba2": ("Mamba2Config", "Mamba2ForCausalLM", {"num_heads": 8, "head_dim": 32,
+                                                     "n_groups": 1, "state_size": 16}),
     # DeepSeek-V2 with MLA (the latent and rope widths npu_kv_rmsnorm_rope_cache takes: 512 and
     # 64; query/key heads of 128 + 64, value heads of 128, as FIA's MLA prefill takes them),
     # no query LoRA (as V2-Lite). Dense: both layers dense. MoE: the second layer has 8 routed
@@ -209,6 +227,15 @@ def _draw(module, family: str) -> None:
                 # A correction bias that changes the choice (HF starts it at zero): distinct
                 # values 0.05 apart, larger than the rounding of a sigmoid score.
                 p.copy_(torch.randperm(p.numel()).to(p.dtype).mul_(0.05).sub_(0.4))
+            if name.endswith("linear_attn.conv1d.weight"):
+                # Gated DeltaNet's conv taps at 1 / sqrt(width), not 0.08: at 0.08 the layer's
+                # core output was 3e-4 (RMS) before its gated norm, noise that the norm scales.
+                p.normal_(0, p.shape[-1] ** -0.5)
+            if name.endswith("linear_attn.A_log"):
+                # Decay rates A of 0.02-0.2 (HF draws 0-16): with HF's, exp(g) was about e^-12
+                # for most heads, so a state forgot each token at once and nothing a test
+                # checks of carrying it (across chunks, steps, slots) could show.
+                p.copy_(torch.empty_like(p).uniform_(0.02, 0.2).log())
             if name.endswith("self_attn.sinks"):
                 # Sinks of 0.5-3 against attention logits of about 1 take a good part of each
                 # row's softmax: without them the tests' first tokens differ.

@@ -46,7 +46,8 @@ STATIC_BIAS = ("        quant_bias = layer.quant_bias if self.is_first_rank_of_r
 MUTATIONS = [
     Mutation("fia-update-skipped", "a FULL replay runs attention with the capture's lengths",
              "vllm_ascend/worker/model_runner.py",
-             "        self.fia.update(desc, next(iter(metadata.values())))",
+             "        self.fia.update(desc, next(m for m in metadata.values()\n"
+             "                                   if not isinstance(m, GDNAttentionMetadata)))",
              "        pass", ("tests/e2e/test_full_graphs.py",)),
     Mutation("fia-event-before-update",
              "the replay's attention may run before its task update lands",
@@ -616,6 +617,51 @@ MUTATIONS = [
              "repetition penalty", "vllm_ascend/device/sim/v2_sampling.py",
              "        if rep != 1.0:\n", "        if False:\n",
              ("tests/ut/test_sim_v2_kernels.py",)),
+    Mutation("gdn-speculative-start-ignored", "the simulator's recurrent delta rule starts "
+             "every sequence from its first token's state slot, whatever the verification "
+             "accepted", "vllm_ascend/device/sim/gdn.py",
+             "        s = state[slots[start + a - 1]].float()",
+             "        s = state[slots[start]].float()", ("tests/ut/test_sim_gdn.py",)),
+    Mutation("gdn-capture-writes-states", "a captured recurrent delta rule updates the states "
+             "at capture, as no chip does", "vllm_ascend/device/sim/gdn.py",
+             "    if CAPTURING.active:  # checked, not run: the states stay as they are until a "
+             "replay\n        return CAPTURING.unwritten(out)\n",
+             "", ("tests/ut/test_sim_gdn.py",)),
+    Mutation("gdn-gate-sign", "the simulator's delta rule grows the state by exp(-g) instead "
+             "of decaying it", "vllm_ascend/device/sim/gdn.py",
+             "        s.mul_(torch.exp(g.float())[:, None, None])",
+             "        s.mul_(torch.exp(-g.float())[:, None, None])", ("tests/ut/test_sim_gdn.py",)),
+    Mutation("gdn-state-slots-shifted", "each request's Gated DeltaNet states are read and "
+             "written in another request's slot", "vllm_ascend/ops/gdn.py",
+             "        index = slots.long()\n",
+             "        index = slots.long().roll(1)\n",
+             ("tests/e2e/test_families.py", "-k", "qwen3_next and NONE and not tp2")),
+    Mutation("gdn-state-indices-frozen-at-capture", "a FULL replay reads the Gated DeltaNet "
+             "state indices of the step it was captured in", "vllm_ascend/ops/gdn.py",
+             "            out = self._decode(md.non_spec_state_indices_tensor[:n], *args)",
+             "            out = self._decode(self.__dict__.setdefault('_frozen', {}).setdefault("
+             "n, md.non_spec_state_indices_tensor[:n].clone()), *args)",
+             ("tests/e2e/test_families.py", "-k",
+              "qwen3_next and FULL_DECODE_ONLY and close and not tp2")),
+    Mutation("gdn-conv-state-not-carried", "a prompt's conv state starts from zero in each "
+             "chunk of its prefill", "vllm_ascend/ops/gdn.py",
+             "            state = conv[slots[i]] if has_state[i] else torch.zeros_like(conv[slots[i]])",
+             "            state = torch.zeros_like(conv[slots[i]])",
+             ("tests/e2e/test_gated_deltanet.py", "-k", "longer")),
+    Mutation("gdn-beta-sign", "the delta rule's write strength is sigmoid(-b)",
+             "vllm_ascend/ops/gdn.py",
+             "        return g.contiguous(), torch.sigmoid(b.float()).to(torch.bfloat16)",
+             "        return g.contiguous(), torch.sigmoid(-b.float()).to(torch.bfloat16)",
+             ("tests/e2e/test_families.py", "-k", "qwen3_next and NONE and not tp2")),
+    Mutation("gdn-kv-lanes-overlap", "a hybrid model's recurrent states take the V lane, where "
+             "another block's V lies", "vllm_ascend/attention/hybrid.py",
+             "    ssm = raw[start:start + num_blocks * lane].view(ssm_dtype)",
+             "    ssm = raw[start + lane:start + lane + num_blocks * lane].view(ssm_dtype)",
+             ("tests/e2e/test_families.py", "-k", "qwen3_next and NONE and not tp2")),
+    Mutation("hybrid-model-not-refused", "a Mamba-2 model starts and dies in its profile run "
+             "on vLLM's Triton kernels", "vllm_ascend/attention/limits.py",
+             "        found += state_space_layers(vllm_config, config)\n", "",
+             ("tests/e2e/test_start_up_errors.py", "-k", "mamba2")),
     Mutation("modelslim-mtp-layer-unnamed",
              "an export whose description leaves out DeepSeek's MTP layer fails saying the "
              "description is another model's, not how to list the layer",

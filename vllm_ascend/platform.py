@@ -10,7 +10,7 @@ from vllm_ascend.logger import get_logger
 from vllm.platforms.interface import Platform, PlatformEnum
 
 from vllm_ascend import device, patch
-from vllm_ascend.attention import limits
+from vllm_ascend.attention import hybrid, limits
 from vllm_ascend.compilation.settings import COMPILE_BACKEND, SIMPLE_COMPILE_BACKEND
 from vllm_ascend.device import torch_npu
 
@@ -194,8 +194,24 @@ class NPUPlatform(Platform):
         return torch.inference_mode(mode=True)
 
     @classmethod
+    def _align_hybrid_block_size(cls, vllm_config, backend_cls) -> None:
+        # A hybrid model's attention blocks and Gated DeltaNet states share the KV cache in two
+        # lanes, not vLLM's pages (attention/hybrid.py): its block size follows from that.
+        layout = hybrid.apply_layout(vllm_config,
+                                     (limits.BLOCK_SIZE_ALIGN, limits.BLOCK_SIZE_BELOW))
+        logger.info("vllm-ascend: attention blocks of %d tokens, so that one block's K is one "
+                    "Gated DeltaNet state (%d bytes): the two share the KV cache's slots",
+                    layout.block_size, layout.lane_bytes)
+
+    # Whether the config check_and_update_config settled last has Gated DeltaNet layers: vLLM
+    # asks support_hybrid_kv_cache right after it, without the config.
+    _gdn_model = False
+
+    @classmethod
     def support_hybrid_kv_cache(cls) -> bool:
-        return False
+        # vLLM's hybrid KV cache manager: for Gated DeltaNet models only, whose states share the
+        # KV cache with attention (attention/hybrid.py). Sliding-window families keep one group.
+        return cls._gdn_model
 
     def is_sleep_mode_available(self) -> bool:
         return True  # device_allocator/: CANN virtual memory keeps graphs' addresses
@@ -219,6 +235,12 @@ class NPUPlatform(Platform):
         from vllm_ascend.lora.config import check_lora_config
         from vllm_ascend.worker import choice, processes, speculative
 
+        # First the process's set-up, so that a config refused below leaves the process able
+        # to clean up as vLLM does (its cleanup reaches torch.accelerator). The engine core
+        # cleans up the device at shutdown even when its workers are other processes (tensor
+        # parallelism): it needs the device's process set-up too.
+        patch.apply()
+        device.current.prepare_process()
         model_config = vllm_config.model_config
         if model_config is not None and model_config.dtype not in FIA_DTYPES:
             raise ValueError(
@@ -230,15 +252,17 @@ class NPUPlatform(Platform):
             from vllm_ascend.quantization import select
 
             limits.check(vllm_config)  # the attention operators' shapes, before any worker
+            cls._gdn_model = limits.serves_gated_deltanet(model_config)
+            if cls._gdn_model and hybrid.without_prefix_caching(vllm_config):
+                logger.info("vllm-ascend: prefix caching is off for %s: its Gated DeltaNet "
+                            "states are not cached by prefix on Ascend yet",
+                            model_config.architecture)
             select.select(vllm_config)
         if model_config is not None and model_config.enable_sleep_mode:
             from vllm_ascend.device_allocator import sleep
 
             sleep.select_backend(model_config)
         parallel_config = vllm_config.parallel_config
-        # The engine core cleans up the device at shutdown even when its workers are other
-        # processes (tensor parallelism): it needs the device's process set-up too.
-        device.current.prepare_process()
         if parallel_config.worker_cls == "auto":
             parallel_config.worker_cls = "vllm_ascend.worker.worker.NPUWorker"
         cache_config = vllm_config.cache_config
@@ -251,7 +275,6 @@ class NPUPlatform(Platform):
         logger.info("vllm-ascend: model runner %s", choice.describe(vllm_config))  # (the mode set)
         os.environ.setdefault("VLLM_DISABLE_SHARED_EXPERTS_STREAM", "1")
         processes.spawn_if_fork_is_unsafe()
-        patch.apply()
 
     @classmethod
     def opaque_attention_op(cls) -> bool:

@@ -61,6 +61,11 @@ FAMILIES = {
                         model_class="AscendDeepseekV3ForCausalLM"),
     "glm4_moe": dict(dtype="bfloat16", block_size=128, prompts=PROMPTS,
                      model_class="Glm4MoeForCausalLM"),
+    # Qwen3-Next: a Gated DeltaNet layer (ops/gdn.py; its states in the KV cache's lanes,
+    # attention/hybrid.py, whose attention blocks hold 256 tokens), then a gated full-attention
+    # layer; MoE with a shared expert. bfloat16: torch_npu's delta-rule operators take no other.
+    "qwen3_next": dict(dtype="bfloat16", block_size=128, prompts=PROMPTS + [LONG],
+                       model_class="Qwen3NextForCausalLM"),
     "phi3": dict(dtype="float16", block_size=128, prompts=PROMPTS, model_class="Phi3ForCausalLM"),
     "granite": dict(dtype="float16", block_size=128, prompts=PROMPTS,
                     model_class="GraniteForCausalLM"),

@@ -7,9 +7,9 @@ same call sites, and those lines are left out here); a
 third, of a tiny DeepSeek-V2 in FULL_AND_PIECEWISE, makes the MLA calls; a fourth, eager, of a
 W8A8 export of the tiny Llama (one dynamic, one static layer), the quantized ones; a fifth, eager,
 of a tiny Mistral with n-gram drafts, the sliding window's band and npu_mrope; a sixth, of a tiny
-GPT-OSS in FULL_DECODE_ONLY, FIA v2 with attention sinks and biased experts; a seventh and an
-eighth, eager, DeepSeek-V3's grouped sigmoid router and a Qwen3-MoE export's W8A8_DYNAMIC
-experts. Each distinct
+GPT-OSS in FULL_DECODE_ONLY, FIA v2 with attention sinks and biased experts; a seventh, of a
+tiny Qwen3-Next in FULL_DECODE_ONLY, the Gated DeltaNet operators; an eighth and a ninth, eager,
+DeepSeek-V3's grouped sigmoid router and a Qwen3-MoE export's W8A8_DYNAMIC experts. Each distinct
 call shape must match the table below, written from ../shared/TORCH_NPU_CONTRACTS.md and
 docs/torch_npu_calls.md (op name, positional count, keyword names, dtypes, ranks, contiguity),
 and every API of the table must be used.
@@ -218,6 +218,15 @@ MC2_COMMON = {"expert_ids": tensor(2, ("int32",)), "expert_shard_type": INT,
               "ep_rank_id": INT, "group_tp": NAME, "tp_world_size": INT, "tp_rank_id": INT}
 HALF = ("bfloat16", "float16")
 MC2_TABLE = {
+    # Gated DeltaNet (ops/gdn.py; upstream ops/gdn.py): the prefill's chunked rule, and the
+    # decode's recurrent step on the state pool by slot.
+    "npu_chunk_gated_delta_rule": ([tensor(3), tensor(3), tensor(3)], {
+        "beta": tensor(2), "initial_state": tensor(4),
+        "actual_seq_lengths": tensor(1, ("int32",)), "scale": FLOAT,
+        "g": tensor(2, ("float32",))}),
+    "npu_recurrent_gated_delta_rule": ([tensor(3), tensor(3), tensor(3), tensor(4)], {
+        "beta": tensor(2), "scale": FLOAT, "actual_seq_lengths": tensor(1, ("int32",)),
+        "ssm_state_indices": tensor(1, ("int32",)), "g": tensor(2, ("float32",))}),
     "npu_moe_distribute_dispatch_v2": ([], {
         **MC2_COMMON, "x": tensor(2, HALF), "expert_token_nums_type": INT,
         "scales": value("NoneType"), "quant_mode": INT}),
@@ -258,6 +267,12 @@ def call_log(tmp_path_factory):
         # GPT-OSS: FIA v2 with sinks, eager (prefill; the sliding layer's band), captured in
         # FULL decode graphs and updated; biased experts.
         with engine(model_path("gpt_oss"), max_num_seqs=4, block_size=16, compilation_config={
+                "cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [1, 2, 4]}) \
+                as llm:
+            vllm_greedy(llm, ["The capital of France is", "Hello"], 4)
+        # Qwen3-Next's Gated DeltaNet: the chunked rule in the prefill (eager), the recurrent
+        # step in the decode (eager in the warm-up, captured in FULL decode graphs).
+        with engine(model_path("qwen3_next"), max_num_seqs=4, compilation_config={
                 "cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [1, 2, 4]}) \
                 as llm:
             vllm_greedy(llm, ["The capital of France is", "Hello"], 4)

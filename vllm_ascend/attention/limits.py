@@ -10,6 +10,8 @@ checked at start-up"; the simulator enforces the same limits in the operators th
 
 import dataclasses
 
+from vllm_ascend.attention.hybrid import gdn_layout
+
 FIA_MAX_HEAD_SIZE = 256  # F8: TND head dim at most 256
 FIA_HEAD_ALIGN = 16  # F9: 16-element aligned for fp16/bf16
 FIA_MAX_HEADS = 256  # F10: Nq and Nkv at most 256
@@ -98,6 +100,56 @@ def latent_attention(hf_config, num_heads: int, tp: int) -> list:
     return found
 
 
+# The recurrent-state layers of the hybrid and state-space families vLLM serves, by model type.
+STATE_LAYERS = {
+    "qwen3_next": "Gated DeltaNet", "qwen3_5": "Gated DeltaNet", "qwen3_5_text": "Gated DeltaNet",
+    "qwen3_5_moe": "Gated DeltaNet", "qwen3_5_moe_text": "Gated DeltaNet",
+    "mamba": "Mamba", "mamba2": "Mamba-2", "jamba": "Mamba", "nemotron_h": "Mamba-2",
+    "falcon_h1": "Mamba-2", "granitemoehybrid": "Mamba-2", "zamba2": "Mamba-2",
+    "lfm2": "short convolution", "lfm2_moe": "short convolution"}
+
+
+def state_space_layers(vllm_config, model) -> list:
+    """A model with layers that keep a recurrent state (linear attention, Mamba, short
+    convolutions): none has an Ascend path in vllm-ascend yet, and vLLM's own kernels for them
+    are Triton or CUDA, which would fail in the engine's first (profile) run."""
+    if not (model.is_hybrid or model.is_attention_free or model.has_inner_state):
+        return []
+    kind = STATE_LAYERS.get(model.hf_text_config.model_type, "recurrent-state")
+    if serves_gated_deltanet(model):
+        return gated_deltanet(vllm_config)
+    return [Violation(
+        f"{model.architecture}'s {kind} layers",
+        "vllm-ascend has no Ascend path for layers that keep a recurrent state yet (vLLM runs "
+        "them with Triton or CUDA kernels; torch_npu's Gated DeltaNet operators are in the "
+        "simulator already, docs/torch_npu_calls.md 'Gated DeltaNet')",
+        "Serve a model of full, sliding-window or latent (MLA) attention: "
+        "docs/supported_models.md lists the families that run.")]
+
+
+GDN_SERVED = {"qwen3_next"}  # (Qwen3.5's classes import torchvision: not yet)
+
+
+def serves_gated_deltanet(model) -> bool:
+    return model.hf_text_config.model_type in GDN_SERVED
+
+
+def gated_deltanet(vllm_config) -> list:
+    """Qwen3-Next's Gated DeltaNet layers (ops/gdn.py): their states must fit the KV cache's
+    lanes (attention/hybrid.py); speculative decoding on them is not served yet."""
+    model, found = vllm_config.model_config, []
+    layout = gdn_layout(vllm_config, (BLOCK_SIZE_ALIGN, BLOCK_SIZE_BELOW))
+    if isinstance(layout, str):
+        found.append(Violation(f"{model.architecture}'s Gated DeltaNet states", layout,
+                               "This model's layer sizes cannot run on vllm-ascend yet."))
+    if vllm_config.speculative_config is not None:
+        found.append(Violation(
+            f"speculative decoding on {model.architecture}'s Gated DeltaNet layers",
+            "the recurrent states of drafted tokens (their slots, the accepted count) are not "
+            "served yet", "Leave speculative_config unset for this model."))
+    return found
+
+
 def check(vllm_config) -> None:
     """Raise ``OperatorLimitError`` naming every limit ``vllm_config`` exceeds, and the fixes."""
     model = vllm_config.model_config
@@ -108,9 +160,13 @@ def check(vllm_config) -> None:
     found = []
     spec = vllm_config.speculative_config
     draft = getattr(spec, "draft_model_config", None) if spec is not None else None
-    for config in (model, draft):
-        if config is None or (config is draft and config.model == model.model):
-            continue  # (a draft model that is the target itself is checked once)
+    # (a draft model that is the target itself, as n-gram's draft config is, is checked once)
+    others = [draft] if draft is not None and draft is not model and \
+        draft.model != model.model else []
+    for config in [model, *others]:
+        found += state_space_layers(vllm_config, config)
+        if config.is_attention_free:
+            continue
         heads = config.model_arch_config.total_num_attention_heads
         if config.use_mla:
             found += latent_attention(config.hf_text_config, heads, tp)

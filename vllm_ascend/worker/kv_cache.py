@@ -2,7 +2,9 @@
 
 import numpy as np
 import torch
-from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec
+from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec, MLAAttentionSpec
+
+from vllm_ascend.attention.hybrid import gdn_state_views
 
 
 def npu_kv_cache_views(raw: torch.Tensor, kv_cache_config) -> dict[str, torch.Tensor]:
@@ -10,7 +12,8 @@ def npu_kv_cache_views(raw: torch.Tensor, kv_cache_config) -> dict[str, torch.Te
     contiguous caches. Each layer gets one [2, num_blocks, block_size, kv_heads, head_size] view
     of its region of ``raw`` (the one int8 backing allocation): K and V are its halves. An MLA
     layer gets [num_blocks, block_size, head_size], which its backend reads as separate latent
-    and rope caches (attention/mla.py)."""
+    and rope caches (attention/mla.py). A Gated DeltaNet layer gets its (conv, recurrent) states
+    in the same region, read as the two lanes attention/hybrid.py describes."""
     specs = {name: group.kv_cache_spec for group in kv_cache_config.kv_cache_groups
              for name in group.layer_names}
     kv_caches = {}
@@ -18,6 +21,10 @@ def npu_kv_cache_views(raw: torch.Tensor, kv_cache_config) -> dict[str, torch.Te
         num_blocks = kv_cache_config.num_blocks_of(tensor)
         for i, name in enumerate(tensor.layers):
             spec = specs[name]
+            start = tensor.offset + i * tensor.layer_stride
+            if isinstance(spec, MambaSpec):
+                kv_caches[name] = gdn_state_views(raw, start, num_blocks, spec)
+                continue
             if not isinstance(spec, AttentionSpec):
                 raise NotImplementedError(f"KV cache of {type(spec).__name__} layers is not "
                                           "supported by vllm-ascend")
@@ -29,6 +36,5 @@ def npu_kv_cache_views(raw: torch.Tensor, kv_cache_config) -> dict[str, torch.Te
             if tensor.layer_stride < nbytes:
                 raise ValueError(f"the KV cache layout does not give layer {name} a region "
                                  f"of its own ({tensor.layer_stride} < {nbytes} bytes)")
-            start = tensor.offset + i * tensor.layer_stride
             kv_caches[name] = raw[start:start + nbytes].view(spec.dtype).view(shape)
     return kv_caches

@@ -12,6 +12,7 @@ from vllm.config import CUDAGraphMode, set_current_vllm_config
 from vllm.distributed import get_pp_group, get_tp_group
 from vllm.forward_context import get_forward_context
 from vllm.utils.platform_utils import is_pin_memory_available
+from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.utils import bind_kv_cache
 from vllm.v1.worker.workspace import lock_workspace
@@ -21,6 +22,7 @@ from vllm_ascend.attention.mla import profiling_prefill
 from vllm_ascend.compilation.acl_graph import GRAPH_STATE, ACLGraphWrapper, GraphHooks, GraphState
 from vllm_ascend.device import torch_npu
 from vllm_ascend.logger import get_logger
+from vllm_ascend.ops import gdn  # noqa: F401  (registers the Ascend Gated DeltaNet layer)
 from vllm_ascend.ops import mla  # noqa: F401  (registers the Ascend MLA layer)
 from vllm_ascend.ops.fused_moe import method as fused_moe  # (registers the MoE CustomOp)
 from vllm_ascend.ops.qkv import StepRope
@@ -89,7 +91,9 @@ class FIAGraphHooks(GraphHooks):
         metadata = get_forward_context().attn_metadata
         if isinstance(metadata, list):  # micro-batches are not used on Ascend
             raise NotImplementedError("micro-batched FULL graphs are not supported")
-        self.fia.update(desc, next(iter(metadata.values())))
+        # (a hybrid model's dict also holds its Gated DeltaNet layers', which call no FIA)
+        self.fia.update(desc, next(m for m in metadata.values()
+                                   if not isinstance(m, GDNAttentionMetadata)))
 
 
 def step_ropes_of(model) -> list[StepRope]:
@@ -196,6 +200,26 @@ class NPUModelRunner(GPUModelRunner):
         bind_kv_cache(kv_caches, self.compilation_config.static_forward_context, self.kv_caches,
                       kv_cache_groups=kv_cache_config.kv_cache_groups)
         return kv_caches
+
+    def _init_kv_zero_meta(self) -> None:
+        # vLLM zeroes a hybrid model's newly allocated blocks with a Triton kernel over its
+        # pages; here each layer's views are zeroed by block (attention/hybrid.py's lanes).
+        self._kv_zero_views = []
+        context = self.compilation_config.static_forward_context
+        for group in self.kv_cache_config.kv_cache_groups:
+            for name in group.layer_names:
+                cache = context[name].kv_cache
+                if isinstance(cache, tuple):  # a GDN layer's (conv, recurrent) [blocks, ...]
+                    self._kv_zero_views += [(view, 0) for view in cache]
+                else:  # attention's [2, blocks, ...]
+                    self._kv_zero_views.append((cache, 1))
+
+    def _zero_block_ids(self, block_ids: list[int]) -> None:
+        if not block_ids or not getattr(self, "_kv_zero_views", None):
+            return
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        for view, dim in self._kv_zero_views:
+            view.index_fill_(dim, ids, 0)
 
     def capture_model(self) -> int:
         """Capture every (mode, batch descriptor) the dispatcher asks for, largest first.

@@ -224,7 +224,9 @@ class NPUWorker(Worker):
 
     def initialize_from_config(self, kv_cache_config) -> None:
         super().initialize_from_config(kv_cache_config)
-        self.kv_cache_bytes = sum(t.size for t in kv_cache_config.kv_cache_tensors)
+        # One backing allocation, which every KV cache tensor spans (a hybrid model's groups
+        # overlay it: attention/hybrid.py).
+        self.kv_cache_bytes = max((t.size for t in kv_cache_config.kv_cache_tensors), default=0)
         logger.info(
             "vllm-ascend: device %s (%s), memory %.2f GiB: weights %.2f GiB, activation peak "
             "%.2f GiB, graphs %.2f GiB, outside torch %.2f GiB, KV cache %d blocks x %d tokens "

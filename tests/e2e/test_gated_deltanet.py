@@ -1,0 +1,63 @@
+"""Qwen3-Next's Gated DeltaNet layers beyond the family matrix (test_families.py runs the tiny
+Qwen3-Next against HF in NONE, FULL_DECODE_ONLY and FULL_AND_PIECEWISE, graph modes equal to
+eager, and at TP=2): PIECEWISE, where the GDN core runs between the pieces; a prompt longer than
+the step's token budget, whose conv and recurrent states are carried from chunk to chunk; the
+settings not served yet (prefix caching of the states, turned off with a warning; speculative
+decoding, refused at start-up)."""
+
+import pytest
+
+from scripts.models import config_only_dir
+from tests.e2e import test_families
+from tests.e2e.conftest import (check_identical, check_logprobs_close, engine, hf_greedy,
+                                model_path, platform_log, vllm_greedy)
+
+FAMILY = "qwen3_next"
+# 108 tokens with SmolLM2's tokenizer: three chunks in a step budget of 48 tokens.
+LONG_PROMPT = " ".join([test_families.LONG] * 4)
+CHUNK = 48
+CHUNKED_DRIFT = 0.26  # twice the measured 0.130 (the bfloat16 states at two chunk edges)
+
+
+@pytest.mark.slow
+def test_piecewise_is_close_to_hf_and_gives_the_eager_result_exactly():
+    result = test_families.engine_run(FAMILY, "PIECEWISE")
+    spec = test_families.FAMILIES[FAMILY]
+    for prompt, out, eager in zip(spec["prompts"], result["outs"],
+                                  test_families.run(FAMILY, "NONE")["outs"]):
+        check_logprobs_close(hf_greedy(model_path(FAMILY), prompt, 16), out,
+                             f"{FAMILY} PIECEWISE {prompt[:24]!r}", dtype="bfloat16")
+        check_identical(eager, out, f"{FAMILY} PIECEWISE {prompt[:24]!r}")
+    # a graph per piece (2 layers + 1) in each decode step
+    assert result["made"]["replayed"] == result["expected"]
+    assert result["made"]["replayed"].get("PIECEWISE", 0) >= 3 * 15
+
+
+@pytest.mark.slow
+def test_a_prompt_longer_than_the_step_budget_carries_its_states_across_chunks():
+    with platform_log() as log:
+        with engine(model_path(FAMILY), max_num_batched_tokens=CHUNK, max_num_seqs=4) as llm:
+            tokens = llm.get_tokenizer()(LONG_PROMPT).input_ids
+            assert len(tokens) > 2 * CHUNK  # three chunks
+            (chunked,) = vllm_greedy(llm, [LONG_PROMPT], 16)
+            cache = llm.llm_engine.vllm_config.cache_config
+            assert not cache.enable_prefix_caching and cache.mamba_cache_mode == "none"
+    assert any("prefix caching is off for Qwen3NextForCausalLM" in line for line in log), log
+    check_logprobs_close(hf_greedy(model_path(FAMILY), LONG_PROMPT, 16), chunked,
+                         f"{FAMILY} chunked", dtype="bfloat16")
+    with engine(model_path(FAMILY), max_num_seqs=4) as llm:  # the whole prompt in one step
+        (whole,) = vllm_greedy(llm, [LONG_PROMPT], 16)
+    # Chunked, the states cross a chunk in bfloat16 (the cache's dtype); whole, the prompt's
+    # recurrence stays in float32: the same tokens, logprobs within CHUNKED_DRIFT.
+    assert chunked[0] == whole[0]
+    drift = max(abs(a[t] - b[t]) for a, b, t in zip(chunked[1], whole[1], whole[0]))
+    print("chunked vs whole, worst logprob drift", drift)
+    assert drift <= CHUNKED_DRIFT
+
+
+def test_speculative_decoding_on_gated_deltanet_is_refused_before_weights_load():
+    with pytest.raises(ValueError, match="speculative decoding on Qwen3NextForCausalLM's "
+                                         "Gated DeltaNet layers"):
+        with engine(config_only_dir(FAMILY), speculative_config={
+                "method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}):
+            pass
