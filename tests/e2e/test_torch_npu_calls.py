@@ -204,6 +204,15 @@ TABLE = {
     "npu.graph_task_group_end": ([CAPTURING], {}),
     "npu.graph_task_update_begin": ([IDLE, value("_NPUTaskGroupHandle")], {}),
     "npu.graph_task_update_end": ([IDLE], {}),
+    # Gated DeltaNet (ops/gdn.py; upstream ops/gdn.py): the prefill's chunked rule, and the
+    # decode's recurrent step on the state pool by slot.
+    "npu_chunk_gated_delta_rule": ([tensor(3), tensor(3), tensor(3)], {
+        "beta": tensor(2), "initial_state": tensor(4),
+        "actual_seq_lengths": tensor(1, ("int32",)), "scale": FLOAT,
+        "g": tensor(2, ("float32",))}),
+    "npu_recurrent_gated_delta_rule": ([tensor(3), tensor(3), tensor(3), tensor(4)], {
+        "beta": tensor(2), "scale": FLOAT, "actual_seq_lengths": tensor(1, ("int32",)),
+        "ssm_state_indices": tensor(1, ("int32",)), "g": tensor(2, ("float32",))}),
 }
 
 # token_dispatcher.py TokenDispatcherWithMC2 (get_dispatch_mc2_kwargs, get_combine_mc_kwargs):
@@ -218,15 +227,6 @@ MC2_COMMON = {"expert_ids": tensor(2, ("int32",)), "expert_shard_type": INT,
               "ep_rank_id": INT, "group_tp": NAME, "tp_world_size": INT, "tp_rank_id": INT}
 HALF = ("bfloat16", "float16")
 MC2_TABLE = {
-    # Gated DeltaNet (ops/gdn.py; upstream ops/gdn.py): the prefill's chunked rule, and the
-    # decode's recurrent step on the state pool by slot.
-    "npu_chunk_gated_delta_rule": ([tensor(3), tensor(3), tensor(3)], {
-        "beta": tensor(2), "initial_state": tensor(4),
-        "actual_seq_lengths": tensor(1, ("int32",)), "scale": FLOAT,
-        "g": tensor(2, ("float32",))}),
-    "npu_recurrent_gated_delta_rule": ([tensor(3), tensor(3), tensor(3), tensor(4)], {
-        "beta": tensor(2), "scale": FLOAT, "actual_seq_lengths": tensor(1, ("int32",)),
-        "ssm_state_indices": tensor(1, ("int32",)), "g": tensor(2, ("float32",))}),
     "npu_moe_distribute_dispatch_v2": ([], {
         **MC2_COMMON, "x": tensor(2, HALF), "expert_token_nums_type": INT,
         "scales": value("NoneType"), "quant_mode": INT}),

@@ -120,7 +120,8 @@ def install(torch_npu_module, npu_module) -> None:
                  "_npu_fused_infer_attention_score_v2_get_max_workspace", "npu_dynamic_quant",
                  "npu_quantize", "npu_quant_matmul", "npu_add_rms_norm_quant",
                  "npu_add_rms_norm_dynamic_quant", "npu_moe_distribute_dispatch_v2",
-                 "npu_moe_distribute_combine_v2"):
+                 "npu_moe_distribute_combine_v2", "npu_chunk_gated_delta_rule",
+                 "npu_recurrent_gated_delta_rule"):
         setattr(torch_npu_module, name, traced(name, getattr(torch_npu_module, name)))
     fias = (torch_npu_module.npu_fused_infer_attention_score,
             torch_npu_module.npu_fused_infer_attention_score_v2)
