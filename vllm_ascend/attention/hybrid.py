@@ -24,8 +24,7 @@ import torch
 @dataclasses.dataclass(frozen=True)
 class HybridLayout:
     block_size: int  # tokens per attention block
-    lane_bytes: int  # a block's K (or V), and one recurrent state
-    conv_bytes: int  # a conv state, in the V lane's slot
+    lane_bytes: int  # a block's K (or V), and one recurrent state (a conv state fits a V slot)
 
     @property
     def page_bytes(self) -> int:
@@ -61,7 +60,7 @@ def gdn_layout(vllm_config, block_sizes: tuple[int, int]) -> "HybridLayout | str
                 "does not split a block into smaller kernel blocks yet")
     if conv > ssm:
         return f"a conv state of {conv} bytes does not fit a V block of {ssm} bytes"
-    return HybridLayout(block_size, ssm, conv)
+    return HybridLayout(block_size, ssm)
 
 
 def without_prefix_caching(vllm_config) -> bool:
