@@ -4,7 +4,8 @@ Streams and events are in sim/streams.py and sim/events.py, the devices, their c
 memory queries in sim/devices.py, torch.npu.memory's pools in sim/mempool.py; they are named
 here as torch.npu names them. What is here: ACL graphs (``NPUGraph``, ``graph``, the pool
 handle), task groups and task updates, and a device context's opening and release, which also
-install and drop the simulator's matrix products (sim/matmul.py).
+install and drop the simulator's matrix products (sim/matmul.py), and install its exponential
+random numbers (sim/rng.py).
 
 A graph captures only on a capturing (non-default) stream; task groups open only there and
 task updates only on a non-capturing one. A task update of a graph whose previous replay is not
@@ -16,6 +17,7 @@ from vllm_ascend.device.sim import devices as _devices
 from vllm_ascend.device.sim import graph as _graph
 from vllm_ascend.device.sim import ledger as _ledger
 from vllm_ascend.device.sim import matmul as _matmul
+from vllm_ascend.device.sim import rng as _rng
 from vllm_ascend.device.sim import mempool as memory  # noqa: F401  (torch.npu.memory's pools)
 from vllm_ascend.device.sim.devices import (  # noqa: F401  (torch.npu's names)
     DEVICES_ENV, MEMORY_ENV, NODE_ENV, SOC_ENV, VISIBLE_ENV, DeviceContextError,
@@ -34,7 +36,7 @@ from vllm_ascend.device.sim.streams import (  # noqa: F401  (torch.npu's names)
 
 def set_device(device) -> None:
     """Open this process's device context (sim/devices.py) and install the device's bf16/fp16
-    matrix products in it."""
+    matrix products and its exponential random numbers in it."""
     # A safe point: a guard that a failed wait left on the mode stack (the replay gave up inside
     # the guard's own dispatch, where it cannot pop itself) would keep Dynamo from compiling the
     # next engine's model in this process.
@@ -42,6 +44,7 @@ def set_device(device) -> None:
         pop_guard()
     _devices.set_device(device)
     _matmul.install()
+    _rng.install()
 
 
 def release_device() -> None:
