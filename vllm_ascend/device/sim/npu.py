@@ -17,8 +17,8 @@ from vllm_ascend.device.sim import devices as _devices
 from vllm_ascend.device.sim import graph as _graph
 from vllm_ascend.device.sim import ledger as _ledger
 from vllm_ascend.device.sim import matmul as _matmul
-from vllm_ascend.device.sim import rng as _rng
 from vllm_ascend.device.sim import mempool as memory  # noqa: F401  (torch.npu.memory's pools)
+from vllm_ascend.device.sim import rng as _rng
 from vllm_ascend.device.sim.devices import (  # noqa: F401  (torch.npu's names)
     DEVICES_ENV, MEMORY_ENV, NODE_ENV, SOC_ENV, VISIBLE_ENV, DeviceContextError,
     configured_memory, current_device, device_count, devices_in_use, empty_cache,
