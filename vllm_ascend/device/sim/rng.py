@@ -3,8 +3,8 @@
 vLLM's sampler draws one exponential number per vocabulary entry and request at every step of
 random sampling (``random_sample``: the probabilities over exponential noise, then argmax): a
 [16, 49152] draw for SmolLM2 at 16 requests. torch's CPU kernel draws them one at a time: 12.8
-ms for that draw on a 2-core AMX Xeon, against 2.1 ms for the same count of uniform numbers,
-about a quarter of a served SmolLM2 decode step there (a chip draws them in a vector kernel).
+ms for that draw on a 2-core AMX Xeon, about a quarter of a served SmolLM2 decode step there
+(2.1 ms for as many uniform numbers; a chip draws them in a vector kernel).
 The simulator's kernel takes a uniform draw from the same generator and maps it as
 ``-log(u) / lambd``, with u in [tiny, 1): every value finite and above zero, as vLLM's
 division by the noise needs. The numbers differ from torch's CPU kernel for the same generator
