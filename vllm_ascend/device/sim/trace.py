@@ -112,19 +112,14 @@ def install_if_requested(torch_npu_module, npu_module) -> None:
 
 
 def install(torch_npu_module, npu_module) -> None:
-    for name in ("_npu_fused_infer_attention_score_get_max_workspace", "npu_scatter_pa_kv_cache",
-                 "npu_rms_norm", "npu_add_rms_norm", "npu_swiglu", "npu_rotary_mul", "npu_mrope",
-                 "npu_moe_gating_top_k_softmax", "npu_moe_gating_top_k", "npu_moe_init_routing_v2",
-                 "npu_grouped_matmul", "npu_moe_token_unpermute", "npu_interleave_rope",
-                 "npu_kv_rmsnorm_rope_cache", "npu_transpose_batchmatmul", "npu_attention_update",
-                 "_npu_fused_infer_attention_score_v2_get_max_workspace", "npu_dynamic_quant",
-                 "npu_quantize", "npu_quant_matmul", "npu_add_rms_norm_quant",
-                 "npu_add_rms_norm_dynamic_quant", "npu_moe_distribute_dispatch_v2",
-                 "npu_moe_distribute_combine_v2", "npu_chunk_gated_delta_rule",
-                 "npu_recurrent_gated_delta_rule"):
-        setattr(torch_npu_module, name, traced(name, getattr(torch_npu_module, name)))
     fias = (torch_npu_module.npu_fused_infer_attention_score,
             torch_npu_module.npu_fused_infer_attention_score_v2)
+    # Every operator the simulated torch_npu names, so that a new one is logged without a list
+    # to keep (Gated DeltaNet's were once missed); FIA v1 and v2, one class, are wrapped below.
+    for name in [n for n in dir(torch_npu_module) if n.startswith(("npu_", "_npu_"))]:
+        fn = getattr(torch_npu_module, name)
+        if callable(fn) and not any(fn is fia for fia in fias):
+            setattr(torch_npu_module, name, traced(name, fn))
     call = type(fias[0]).__call__  # one class for v1 and v2: logged under each one's name
 
     @functools.wraps(call)
