@@ -355,8 +355,8 @@ MUTATIONS = [
              "a model's weight read packed loses the product's bias: every biased projection "
              "(Qwen2's q/k/v) of 1 to 8 rows, eager and replayed alike",
              "vllm_ascend/device/sim/matmul.py",
-             '        return _LINEAR(rows, self.packed, bias, "none", [], "")',
-             '        return _LINEAR(rows, self.packed, None, "none", [], "")',
+             '    return _LINEAR(rows, packed, bias, "none", [], "")',
+             '    return _LINEAR(rows, packed, None, "none", [], "")',
              ("tests/ut/test_sim_matmul.py::"
               "test_a_parameters_products_read_it_packed_with_the_plain_tensors_bits",),
              needs="packs"),
@@ -426,6 +426,39 @@ MUTATIONS = [
              "        if True:",
              ("tests/ut/test_sim_matmul.py::"
               "test_a_weight_is_converted_once_for_its_products_of_9_rows_or_more",)),
+    Mutation("bf16-pack-in-one-call",
+             "on a CPU with bf16 instructions a weight's product of more than 16 rows reads its "
+             "pack in one call, not in the fixed row blocks: a row's bits may depend on how "
+             "many rows follow it, and a padded graph step part from the eager one",
+             "vllm_ascend/device/sim/matmul.py",
+             "    if n == FIRST_BLOCK:  # a decode step of 16",
+             "    if n >= FIRST_BLOCK:  # a decode step of 16",
+             ("tests/ut/test_sim_matmul.py::"
+              "test_a_bf16_cpu_reads_the_pack_in_fixed_row_blocks",), needs="packs"),
+    Mutation("bf16-cpu-keeps-float32",
+             "a CPU with bf16 instructions converts weights to float32 for products of 9 rows "
+             "or more: served SmolLM2 at 0.7x of 3c788d9 on an AMX Xeon",
+             "vllm_ascend/device/sim/matmul.py",
+             "    _CPU_BF16[0] = _CPU_PACKS[0] and cpu_has_bf16()",
+             "    _CPU_BF16[0] = False",
+             ("tests/ut/test_sim_matmul.py::"
+              "test_the_cpus_flags_choose_the_path_of_9_rows_or_more",), needs="bf16"),
+    Mutation("bf16-flags-misread",
+             "the CPU's bf16 instructions are looked for in another line of /proc/cpuinfo: every "
+             "CPU takes the float32 path",
+             "vllm_ascend/device/sim/matmul.py",
+             '                          if line.startswith("flags")), [])',
+             '                          if line.startswith("bugs")), [])',
+             ("tests/ut/test_sim_matmul.py::"
+              "test_the_cpus_flags_choose_the_path_of_9_rows_or_more",)),
+    Mutation("fia-library-buffers-counted-as-device",
+             "what MKL keeps after FIA's float32 products is counted as the device's memory: "
+             "on an AMX Xeon vLLM's default FULL engine's graph estimate grew from 50 to 504 MB",
+             "vllm_ascend/device/sim/fia.py",
+             "@libraries_keep_host_memory\ndef fia_attend(",
+             "def fia_attend(",
+             ("tests/ut/test_sim_fia.py::"
+              "test_what_the_products_cpu_library_keeps_is_host_memory",)),
     Mutation("exponential-noise-negative",
              "the simulator's exponential numbers are log(u), not -log(u): vLLM's random "
              "sampling divides by negative noise and picks the least likely token",
@@ -707,7 +740,11 @@ NEEDS = {"packs": ("oneDNN packs bf16 weights on this CPU (AVX-512 BW/VL/DQ or A
          # a vector kernel for one row); on an AVX2 CPU it does not, and padding changes nothing.
          "one-row-kernel": ("torch's bf16 kernel gives a row of one other bits than the same row "
                             "among two on this CPU (AVX-512-BF16); elsewhere padding changes "
-                            "nothing", ONE_ROW_KERNEL)}
+                            "nothing", ONE_ROW_KERNEL),
+         "bf16": ("this CPU has bf16 instructions (AVX512_BF16, AMX-BF16) and packs: its "
+                  "products of 9 rows or more read the pack",
+                  "from vllm_ascend.device.sim import matmul; "
+                  "print(matmul.cpu_packs_bf16() and matmul.cpu_has_bf16())")}
 
 
 def machine_has(need: str) -> bool:

@@ -150,16 +150,23 @@ def products(x, w, w2, bias):
     return torch.nn.functional.linear(x, w), torch.nn.functional.linear(x, w2, bias)
 
 
+@pytest.mark.parametrize("bf16", [False, True], ids=["float32-from-9", "bf16-from-9"])
 @pytest.mark.parametrize("weights", ["tensors", "parameters"])
 @pytest.mark.parametrize("rows", [1, 2, 8, 12])
-def test_a_replays_products_write_what_eager_linear_returns(rows, weights):
+def test_a_replays_products_write_what_eager_linear_returns(rows, weights, bf16, monkeypatch):
     """A replay writes aten.linear's products into the graph's outputs without the dispatcher
     (matmul.prepare_linear): the eager op's bits for one row (padded), a few and many (float32),
     with and without a bias, each product counted as one replayed aten::linear. A model's
-    weights (parameters) are read packed up to 8 rows (on a CPU whose oneDNN packs bf16) and
-    through their float32 copy from 9, other tensors through torch's kernel or converted."""
+    weights (parameters) are read packed up to 8 rows (on a CPU whose oneDNN packs bf16), and
+    from 9 through their float32 copy, or packed on a CPU with bf16 instructions; other
+    tensors through torch's kernel or converted."""
     from vllm_ascend.device.sim import matmul
     from vllm_ascend.device.sim.ledger import Ledger
+
+    packs = matmul.cpu_packs_bf16()
+    if bf16 and not packs:
+        pytest.skip("this CPU's oneDNN does not pack bf16 weights: no bf16 path from 9 rows")
+    monkeypatch.setattr(matmul, "_CPU_BF16", [bf16])
 
     with torch.inference_mode(False):  # a model's weights are made outside inference mode
         w, w2 = torch.randn(96, 64).to(BF16), torch.randn(32, 64).to(BF16)
@@ -173,8 +180,8 @@ def test_a_replays_products_write_what_eager_linear_returns(rows, weights):
         npu.synchronize()
     copies = matmul._copies_of(w)
     assert (copies.packed is not None) == (
-        weights == "parameters" and rows <= 8 and matmul.cpu_packs_bf16())
-    assert (copies.wide is not None) == (weights == "parameters" and rows >= 9)
+        weights == "parameters" and (rows <= 8 or bf16) and packs)
+    assert (copies.wide is not None) == (weights == "parameters" and rows >= 9 and not bf16)
     for got, expected in zip(outs, products(*args)):
         assert torch.equal(got, expected)
     assert dict(ledger.replayed_ops) == {"aten::linear": 2}

@@ -1,6 +1,9 @@
 """The simulated device's bf16/fp16 matrix products (vllm_ascend/device/sim/matmul.py): float32
 arithmetic rounded once, fast from 9 rows on, and batch-invariant, so that a graph's padded batch
-computes each real row exactly as the eager step."""
+computes each real row exactly as the eager step. Both paths of a weight's products of 9 rows or
+more run on any CPU that packs (the bf16 kernel is emulated where the CPU has no bf16
+instructions): the tests choose the path (``matmul._CPU_BF16``), the CPU's flags choose it in an
+engine."""
 
 import gc
 
@@ -27,6 +30,10 @@ def installed():
 PACKS = matmul.cpu_packs_bf16()
 needs_packs = pytest.mark.skipif(not PACKS, reason="this CPU's oneDNN does not pack bf16 "
                                  "weights (no AVX-512): every product keeps torch's kernel")
+# A weight's products of 9 rows or more: float32 from its float32 copy (any CPU), or oneDNN's
+# bf16 kernel on its pack (where it packs; what a CPU with bf16 instructions takes).
+WIDE_PATHS = [pytest.param(False, id="float32"),
+              pytest.param(True, id="bf16-pack", marks=needs_packs)]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -123,6 +130,71 @@ def parameter(*shape) -> torch.nn.Parameter:
     return torch.nn.Parameter(torch.randn(*shape).to(BF16), requires_grad=False)
 
 
+def twin(w: torch.nn.Parameter) -> torch.nn.Parameter:
+    """A new parameter with w's values (made outside inference mode): its products make copies
+    of their own, so they give what w's products must give on the path a test chose."""
+    return torch.nn.Parameter(w.detach().clone(), requires_grad=False)
+
+
+@pytest.mark.parametrize("bf16", WIDE_PATHS)
+@pytest.mark.parametrize("k,n", SHAPES)
+def test_a_parameters_rows_are_computed_alike_whatever_the_other_rows(bf16, k, n, monkeypatch):
+    """The test above for a model's weight, on both of its paths from 9 rows on: oneDNN's bf16
+    kernel keeps a row's bits within one call shape (checked on a 2-core AMX Xeon), and the
+    fixed row blocks make every row's call shape independent of the rows after it."""
+    monkeypatch.setattr(matmul, "_CPU_BF16", [bf16])
+    torch.manual_seed(0)
+    w, bias, x = parameter(n, k), torch.randn(n).to(BF16), torch.randn(1100, k).to(BF16)
+    with torch.inference_mode():
+        full = torch.nn.functional.linear(x, w)
+        full_bias = torch.nn.functional.linear(x, w, bias)
+        for r in (9, 15, 16, 17, 24, 100, 200, 256, 512, 520, 1024):
+            assert torch.equal(torch.nn.functional.linear(x[:r], w), full[:r]), r
+            assert torch.equal(torch.nn.functional.linear(x[:r], w, bias), full_bias[:r]), r
+    assert (matmul._copies_of(w).wide is None) == bf16
+
+
+@needs_packs
+def test_a_bf16_cpu_reads_the_pack_in_fixed_row_blocks(monkeypatch):
+    """On a CPU with bf16 instructions a weight's products of 9 rows or more read its pack (no
+    float32 copy), packed once, in the row blocks 16, 16, 32, ..., 512, the last padded; rows
+    all alike compute one row; each product is a float32 sum rounded once."""
+    monkeypatch.setattr(matmul, "_CPU_BF16", [True])
+    calls, packs, real_linear, real_pack = [], [], matmul._LINEAR, matmul._packed
+    monkeypatch.setattr(matmul, "_LINEAR", lambda a, *r: calls.append(a.shape[0])
+                        or real_linear(a, *r))
+    monkeypatch.setattr(matmul, "_packed", lambda w: packs.append(w.shape) or real_pack(w))
+    torch.manual_seed(1)
+    w, x = parameter(3072, 576), torch.randn(1100, 576).to(BF16)
+    with torch.inference_mode():
+        got = torch.nn.functional.linear(x, w)
+        assert calls == [16, 16, 32, 64, 128, 256, 512, 512]
+        calls.clear()
+        torch.nn.functional.linear(x[:9], w)
+        torch.nn.functional.linear(x[:16], w)
+        assert calls == [16, 16]
+        calls.clear()
+        alike = x[:1].expand(100, -1).contiguous()  # row 0 of a 16-row call, as in `got`
+        assert torch.equal(torch.nn.functional.linear(alike, w), got[:1].expand(100, -1))
+        assert calls == [16]
+    assert packs == [(3072, 576)] and matmul._copies_of(w).wide is None
+    exact = (x.double() @ w.detach().double().t()).bfloat16()
+    assert (got != exact).float().mean() < 1e-3
+    assert (got.float() - exact.float()).abs().max() <= exact.float().abs().max() * 2 ** -7
+
+
+def test_the_cpus_flags_choose_the_path_of_9_rows_or_more(tmp_path):
+    """bf16 dot-product instructions (AVX512_BF16, AMX-BF16) in the CPU's flags take the pack;
+    none, or no flags to read, keep the float32 copy."""
+    cpuinfo = tmp_path / "cpuinfo"
+    for flags, has in (("fpu avx2 avx512f avx512_bf16", True), ("fpu amx_bf16 amx_tile", True),
+                       ("fpu avx2 avx512f avx512bw", False)):
+        cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\nbugs\t\t: none\n")
+        assert matmul.cpu_has_bf16(str(cpuinfo)) == has, flags
+    assert not matmul.cpu_has_bf16(str(tmp_path / "missing"))
+    assert matmul._CPU_BF16[0] == (PACKS and matmul.cpu_has_bf16())
+
+
 @pytest.mark.parametrize("k,n", SHAPES + [(4096, 11008)])
 def test_a_parameters_products_read_it_packed_with_the_plain_tensors_bits(k, n):
     """A model's bf16 weight is read through oneDNN's packed copy by its products of 1 to 8 rows
@@ -160,28 +232,40 @@ def test_the_cpu_is_asked_once_whether_it_packs(monkeypatch):
     assert matmul._copies_of(w).packed is None
 
 
-# A weight's copies: packed for 2 rows (where the CPU packs), float32 for 16 rows (any CPU).
-COPIES = [pytest.param(2, "packed", marks=needs_packs), (16, "wide")]
+# A weight's copies: packed for 2 rows (where the CPU packs), float32 for 16 rows (any CPU), the
+# pack for 16 rows (a CPU with bf16 instructions; any CPU that packs, in the tests).
+COPIES = [pytest.param(2, "packed", marks=needs_packs), (16, "wide"),
+          pytest.param(16, "packed", marks=needs_packs, id="16-packed-bf16")]
+
+
+@pytest.fixture
+def path_of(monkeypatch):
+    """Sets the path a test's products of ``rows`` rows read ``copy`` by."""
+    def choose(rows, copy):
+        monkeypatch.setattr(matmul, "_CPU_BF16", [rows >= 9 and copy == "packed"])
+    return choose
 
 
 @pytest.mark.parametrize("rows,copy", COPIES)
 @pytest.mark.parametrize("write", ["in_place", "through_data", "device_memory"])
-def test_a_copied_weight_is_read_as_last_written(write, rows, copy):
-    """Eager and replayed products read a weight's copy (packed for 1 to 8 rows, float32 from
-    9), which is made again after a write by any path the simulator sees: an in-place op (the
-    version counter), ``.data`` (vLLM's weight loaders) and ACL's device memory (sleep mode's
-    discard and wake-up, after which the contents are undefined: zeros here)."""
+def test_a_copied_weight_is_read_as_last_written(write, rows, copy, path_of):
+    """Eager and replayed products read a weight's copy (packed for 1 to 8 rows, float32 or
+    packed from 9), which is made again after a write by any path the simulator sees: an
+    in-place op (the version counter), ``.data`` (vLLM's weight loaders) and ACL's device
+    memory (sleep mode's discard and wake-up, after which the contents are undefined: zeros
+    here)."""
+    path_of(rows, copy)
     allocator = NPUMemAllocator()
     with allocator.use_memory_pool("weights"):
         w = parameter(96, 64)
-    x = torch.randn(rows, 64).to(BF16)
+    x, before = torch.randn(rows, 64).to(BF16), twin(w)
     with torch.inference_mode():
         g = npu.NPUGraph()
         with npu.graph(g):
             out = torch.nn.functional.linear(x, w)
         g.replay()
         npu.synchronize()
-        assert torch.equal(out, torch.nn.functional.linear(x, w.detach()))
+        assert torch.equal(out, torch.nn.functional.linear(x, before))
         assert getattr(matmul._copies_of(w), copy) is not None
     new = torch.randn(96, 64).to(BF16)
     if write == "in_place":
@@ -191,8 +275,9 @@ def test_a_copied_weight_is_read_as_last_written(write, rows, copy):
     else:
         allocator.sleep(offload_tags=())
         allocator.wake_up()
+    after = twin(w)
     with torch.inference_mode():
-        expected = torch.nn.functional.linear(x, w.detach())  # a plain tensor: nothing copied
+        expected = torch.nn.functional.linear(x, after)  # copies made of the new values
         assert not torch.equal(out, expected)
         assert torch.equal(torch.nn.functional.linear(x, w), expected)
         g.replay()
@@ -204,6 +289,7 @@ def test_a_weight_is_converted_once_for_its_products_of_9_rows_or_more(monkeypat
     """A model's weight is converted to float32 once, at its first product of 9 rows or more,
     not at every call (as 09e93d8 did: served SmolLM2 lost a third of its speed); a plain
     tensor (an activation, LoRA's stacked weights) is converted at each call."""
+    monkeypatch.setattr(matmul, "_CPU_BF16", [False])  # (a bf16 CPU reads the pack instead)
     calls = []
     real = matmul._held
     monkeypatch.setattr(matmul, "_held", lambda copy: calls.append(copy.shape) or real(copy))
@@ -217,9 +303,10 @@ def test_a_weight_is_converted_once_for_its_products_of_9_rows_or_more(monkeypat
 
 
 @pytest.mark.parametrize("rows,copy", COPIES)
-def test_a_copy_lives_as_long_as_its_weights_memory_and_the_device(rows, copy):
+def test_a_copy_lives_as_long_as_its_weights_memory_and_the_device(rows, copy, path_of):
     """A weight's copies go with its memory, and with the device's last worker (vLLM's compiled
     code keeps a model's parameters alive after its engine): a later product copies again."""
+    path_of(rows, copy)
     w, x = parameter(32, 16), torch.randn(rows, 16).to(BF16)
     key = (w.untyped_storage().data_ptr(), 0, (32, 16))
     with torch.inference_mode():
@@ -236,9 +323,10 @@ def test_a_copy_lives_as_long_as_its_weights_memory_and_the_device(rows, copy):
 
 
 @pytest.mark.parametrize("rows,copy", COPIES)
-def test_a_copy_is_the_simulators_memory_not_the_devices(rows, copy):
+def test_a_copy_is_the_simulators_memory_not_the_devices(rows, copy, path_of):
     """The simulator counts the C heap as the device's memory (sim/memory.py): a weight's
     copy is host memory a chip would not hold, so it is not counted, while it lives or after."""
+    path_of(rows, copy)
     held = memory._ACCOUNT.simulator
     w, x = parameter(8192, 1024), torch.randn(rows, 1024).to(BF16)  # a 16 MB weight
     before = memory.allocated()

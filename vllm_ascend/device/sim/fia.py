@@ -16,6 +16,7 @@ from vllm_ascend.device.sim.errors import TILING_ERROR
 from vllm_ascend.device.sim.fia_checks import (band_of, check_fia, check_fia_lengths, fia_error,
                                                fia_workspace_elements)
 from vllm_ascend.device.sim.matmul import rows_alike
+from vllm_ascend.device.sim.memory import libraries_keep_host_memory
 from vllm_ascend.device.sim.trace import kernel
 
 _lib = torch.library.Library("ascend_sim", "FRAGMENT")
@@ -92,6 +93,7 @@ def fia_kernel(query, key, value, atten_mask, actual_seq_lengths, actual_seq_len
                sparse_mode, band_of(sparse_mode, pre_tokens, next_tokens), block_size, out)
 
 
+@libraries_keep_host_memory
 def fia_attend(query, key, value, block_table, actual_seq_lengths, actual_seq_lengths_kv,
                q_lens, kv_lens, num_heads, nkv, d, scale, sparse_mode, band, block_size, out,
                sink=None):
@@ -297,6 +299,7 @@ def _fia_impl(query, key, value, *, atten_mask=None, actual_seq_lengths=None,
     return out, torch.empty(0, dtype=torch.float32, device=query.device)
 
 
+@libraries_keep_host_memory
 def fia_lse(query, key, actual_seq_lengths, actual_seq_lengths_kv, num_heads, nkv, scale,
             sparse_mode):
     """The log-sum-exp of each query row's scaled scores over the keys it attends to, float32

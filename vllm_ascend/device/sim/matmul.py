@@ -44,6 +44,17 @@ weight may have been written. oneDNN packs bf16 weights only on a CPU with AVX-5
 or AVX-NE-CONVERT (``cpu_packs_bf16``, asked once at ``install()``); elsewhere (an AVX2 CPU)
 every product keeps torch's kernel.
 
+On a CPU with bf16 instructions (AVX512_BF16 or AMX-BF16: ``cpu_has_bf16``, read once from the
+CPU's flags, not timed, so every process of a machine takes the same kernel), a weight's
+products of 9 rows or more read the same packed copy with oneDNN's bf16 kernel (float32 sums,
+rounded once), in the float32 product's fixed row blocks: there float32 was the slower choice
+(a 2-core AMX Xeon, 16 rows: SmolLM2's LM head 1.8 ms in bf16 against 5.0 from the float32
+copy, a [16, 576] x [576, 1536] projection 0.07 against 0.15 ms; 128 rows: 5.2 against 22.7
+ms), and one pack replaces the float32 copy. Within one call shape oneDNN's bf16 kernel gives a
+row the same bits whatever the other rows and its place (tests/ut/test_sim_matmul.py), as
+MKL's float32 kernel does, so the blocks keep batch invariance; the bits are the chip's
+arithmetic either way, but not the same bits as the float32 path's.
+
 Installed once, by ``install()``, in a process that opens a simulated device (its CPU is the
 device from then on): aten's CPU kernels for mm and addmm (functional and ``.out``) are replaced
 in that process, and call the originals for every other dtype.
@@ -216,6 +227,8 @@ _BF16 = torch.bfloat16
 _LINEAR = torch.ops.mkldnn._linear_pointwise.default if torch.backends.mkldnn.is_available() \
     else None
 _CPU_PACKS = [False]  # set by install(): whether this CPU's oneDNN packs bf16 weights
+_CPU_BF16 = [False]  # set by install(): whether products of 9+ rows read the pack (bf16 CPUs)
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # the CPU flags (Linux's names) of bf16 dot products
 
 
 def cpu_packs_bf16() -> bool:
@@ -232,9 +245,22 @@ def cpu_packs_bf16() -> bool:
     return True
 
 
+def cpu_has_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this CPU has bf16 dot-product instructions (AVX512_BF16 or AMX-BF16), by its
+    flags: a CPU without them, or a system that does not say, keeps the float32 path."""
+    try:
+        with open(cpuinfo) as f:
+            flags = next((line.split(":", 1)[1].split() for line in f
+                          if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return any(flag in flags for flag in BF16_FLAGS)
+
+
 def _packable(x, weight, bias) -> bool:
     return (_CPU_PACKS[0] and x.dtype is _BF16 and weight.dtype is _BF16
-            and x.shape[0] < FP32_FROM_ROWS and x.is_contiguous() and weight.dim() == 2
+            and (x.shape[0] < FP32_FROM_ROWS or _CPU_BF16[0])
+            and x.is_contiguous() and weight.dim() == 2
             and weight.is_contiguous() and x.shape[1] == weight.shape[1]
             and not weight.is_inference()
             and (bias is None or (bias.dtype is _BF16 and bias.dim() == 1)))
@@ -265,7 +291,7 @@ class _Copies:
     products read it, made once and again only when the weight may have been written:
 
     - ``packed``: oneDNN's blocked copy of a bfloat16 weight, which its products of 1 to 8 rows
-      read, eager or replayed. torch's bf16 kernel hands oneDNN the plain weight, which it
+      read, eager or replayed (and those of 9 or more on a CPU with bf16 instructions). torch's bf16 kernel hands oneDNN the plain weight, which it
       reorders into such a layout at every call (a SmolLM2 step's 121 products of one row:
       6.1 ms packed, 12-15 ms through torch's kernel, 13.7 through oneDNN's given the plain
       weight). The bits are those torch's kernel gives 1 to 8 rows (one padded to two) on this
@@ -273,9 +299,10 @@ class _Copies:
       it. (Checking at run time made two oneDNN primitives, kept in its cache, for each row
       count and shape: 63 MB more in a SmolLM2 capture, which the simulator counts as the
       device's.)
-    - ``wide``: the weight in float32, which its products of 9 rows or more read. Converting
-      the weight at every call cost more than the product (SmolLM2's LM head at 16 rows on an
-      AVX2 CPU: 75.2 ms converted, 24.6 from the copy); the same bits: a conversion is exact.
+    - ``wide``: the weight in float32, which its products of 9 rows or more read (a CPU
+      without bf16 instructions, or a float16 weight). Converting the weight at every call
+      cost more than the product (SmolLM2's LM head at 16 rows on an AVX2 CPU: 75.2 ms
+      converted, 24.6 from the copy); the same bits: a conversion is exact.
 
     The copies are the simulator's host memory, not the device's (sim/memory.py does not count
     them). They are made again before a product when the weight may have been written since:
@@ -295,14 +322,14 @@ class _Copies:
             self.stamp, self.packed, self.wide = stamp, None, None
 
     def product(self, rows, weight, bias):
-        """rows @ weight.T (+ bias), rows as ``_mm`` gives them to torch's kernel."""
+        """rows @ weight.T (+ bias), rows as ``_mm`` gives them to torch's kernel; 9 rows or
+        more (a CPU with bf16 instructions) in the fixed row blocks."""
         self._fresh(weight)
         if self.packed is None:
             self.packed = _packed(weight)
-        key = ("packed", rows.shape, weight.shape, bias is None)
-        if key not in _MEASURED:  # (measured_once marks it, then calls back)
-            return measured_once(key, lambda: self.product(rows, weight, bias))
-        return _LINEAR(rows, self.packed, bias, "none", [], "")
+        if rows.shape[0] >= FP32_FROM_ROWS:
+            return _packed_blocks(rows, self.packed, weight.shape, bias)
+        return _linear_packed(rows, self.packed, weight.shape, bias)
 
     def float32(self, weight) -> torch.Tensor:
         """``weight`` in float32."""
@@ -310,6 +337,33 @@ class _Copies:
         if self.wide is None:
             self.wide = _held(weight.to(torch.float32))
         return self.wide
+
+
+def _linear_packed(rows, packed, shape, bias):
+    """oneDNN's bf16 product of rows with a packed weight of ``shape`` (+ bias)."""
+    key = ("packed", rows.shape, shape, bias is None)
+    if key not in _MEASURED:  # (measured_once marks it, then calls back)
+        return measured_once(key, lambda: _linear_packed(rows, packed, shape, bias))
+    return _LINEAR(rows, packed, bias, "none", [], "")
+
+
+def _packed_blocks(rows, packed, shape, bias):
+    """rows @ weight.T (+ bias) through the packed weight, in the float32 product's row blocks
+    (``_row_blocks``), the last padded with zero rows; one row's if every row is alike."""
+    n = rows.shape[0]
+    if rows_alike(rows):
+        return _packed_blocks(rows[:1], packed, shape, bias).expand(n, -1).contiguous()
+    if n == FIRST_BLOCK:  # a decode step of 16: one block, nothing to pad or gather
+        return _linear_packed(rows, packed, shape, bias)
+    out = torch.empty(n, shape[0], dtype=rows.dtype)
+    for start, size in _row_blocks(n):
+        real = min(size, n - start)
+        block = rows[start:start + size]
+        if real < size:
+            block = rows.new_zeros(size, rows.shape[1])
+            block[:real].copy_(rows[start:start + real])
+        out[start:start + real] = _linear_packed(block, packed, shape, bias)[:real]
+    return out
 
 
 def _wide(b: torch.Tensor) -> torch.Tensor:
@@ -375,25 +429,20 @@ def _data_get(tensor):
 
 # -- what a CPU library keeps for a shape -------------------------------------------------------
 _MEASURED: set = set()  # the kernels and shapes whose first call was measured
-ALLOCATOR_SLACK = 64 << 10  # heap growth below this is the allocator's rounding, not a cache
 
 
 def measured_once(key, call):
     """``call()``, the first call of a kernel for ``key`` (its shapes): what it leaves on the
     heap beyond its result is the CPU library's cache for those shapes (oneDNN keeps a primitive
     per shape and row count, some MB for a bf16 product on an AVX-512 CPU; an AVX2 CPU's kernel
-    keeps nothing), host memory of the simulator's kernels, not the device's (sim/memory.py).
-    Counted as the device's, it grew a capture's memory past the estimate on CPUs whose kernels
-    cache, whose small sizes the estimate does not sample. (oneDNN's cache holds 1024 primitives
-    and evicts the oldest: the count would then keep memory the cache gave back, a laxer
-    reading no engine here reaches: a SmolLM2 engine's products have a few dozen shapes.)"""
+    keeps nothing), host memory of the simulator's kernels, not the device's
+    (``memory.libraries_keep``). Counted as the device's, it grew a capture's memory past the
+    estimate on CPUs whose kernels cache, whose small sizes the estimate does not sample.
+    (oneDNN's cache holds 1024 primitives and evicts the oldest: the count would then keep
+    memory the cache gave back, a laxer reading no engine here reaches: a SmolLM2 engine's
+    products have a few dozen shapes.)"""
     _MEASURED.add(key)
-    before = _memory.heap()
-    out = call()
-    left = _memory.heap() - before - out.untyped_storage().nbytes()
-    if left > ALLOCATOR_SLACK:
-        _memory.simulator_holds(left)
-    return out
+    return _memory.libraries_keep(call)
 
 
 class _Original:
@@ -426,6 +475,7 @@ def install() -> None:
     for name in _KERNELS:
         _ORIGINAL[name] = _Original(name)
     _CPU_PACKS[0] = cpu_packs_bf16()
+    _CPU_BF16[0] = _CPU_PACKS[0] and cpu_has_bf16()
     lib = torch.library.Library("aten", "IMPL")
     with warnings.catch_warnings():  # "Overriding a previously registered kernel": on purpose
         warnings.simplefilter("ignore", UserWarning)
