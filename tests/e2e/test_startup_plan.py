@@ -50,7 +50,7 @@ def test_graph_memory_is_kept_from_the_kv_cache_so_that_capture_fits(monkeypatch
     The margins, measured (7 December, an AVX2 CPU): graphs 12.4 MB, estimate 14.5 MB, the
     unrequested share 5.1 MB, so 7.3 MB to spare, and the graphs 2.4 times the share the next
     test leaves them. What the CPU's kernels keep for a product's shape is the simulator's host
-    memory, not the device's (sim/matmul.py measured_once): counted as the device's, oneDNN's
+    memory, not the device's (sim/library_caches.py measured_once): counted as the device's, oneDNN's
     primitives for the small sizes, which the estimate does not sample, ran this engine out of
     memory during capture on an AVX-512 CPU."""
     for name, value in SMALL_DEVICE.items():

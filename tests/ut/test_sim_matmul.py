@@ -10,7 +10,7 @@ import gc
 import pytest
 import torch
 
-from vllm_ascend.device.sim import matmul, memory, npu
+from vllm_ascend.device.sim import library_caches, matmul, memory, npu
 from vllm_ascend.device_allocator.vmm import NPUMemAllocator
 
 BF16 = torch.bfloat16
@@ -348,7 +348,7 @@ def test_what_a_kernel_keeps_for_a_shape_is_the_simulators_memory(monkeypatch):
     kernel's first call for a shape leaves on the heap beyond its result is subtracted, so the
     device's memory, and whether a capture fits, does not depend on the host's CPU."""
     monkeypatch.setattr(memory._ACCOUNT, "simulator", memory._ACCOUNT.simulator)
-    monkeypatch.setattr(matmul, "_MEASURED", set())
+    monkeypatch.setattr(library_caches, "_MEASURED", set())
     kept = []
 
     def caching_kernel():
@@ -356,15 +356,15 @@ def test_what_a_kernel_keeps_for_a_shape_is_the_simulators_memory(monkeypatch):
         return torch.ones(64, 64)
 
     held, before = memory._ACCOUNT.simulator, memory.allocated()
-    out = matmul.measured_once(("a kernel", (64, 64)), caching_kernel)
+    out = library_caches.measured_once(("a kernel", (64, 64)), caching_kernel)
     assert memory._ACCOUNT.simulator - held >= 4 << 20
     assert memory.allocated() - before < 1 << 20  # the device holds the result, not the cache
-    assert out.shape == (64, 64) and ("a kernel", (64, 64)) in matmul._MEASURED
+    assert out.shape == (64, 64) and ("a kernel", (64, 64)) in library_caches._MEASURED
     nothing_kept = memory._ACCOUNT.simulator
-    matmul.measured_once(("another", ()), lambda: torch.ones(1 << 20))  # a 4 MB result only
+    library_caches.measured_once(("another", ()), lambda: torch.ones(1 << 20))  # a 4 MB result only
     assert memory._ACCOUNT.simulator == nothing_kept
     # torch's kernel is measured at a bf16 shape's first call (its rows, the weight's shape).
     a, b = torch.randn(3, 48).to(BF16), torch.randn(48, 80).to(BF16)
     with torch.inference_mode():
         torch.mm(a, b)
-    assert ("mm", a.shape, b.shape, BF16, b.stride()) in matmul._MEASURED
+    assert ("mm", a.shape, b.shape, BF16, b.stride()) in library_caches._MEASURED

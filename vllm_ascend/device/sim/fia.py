@@ -15,8 +15,8 @@ from vllm_ascend.device.sim.aclnn import CAPTURING, INT32_MAX, sampling
 from vllm_ascend.device.sim.errors import TILING_ERROR
 from vllm_ascend.device.sim.fia_checks import (band_of, check_fia, check_fia_lengths, fia_error,
                                                fia_workspace_elements)
+from vllm_ascend.device.sim.library_caches import first_calls_measured
 from vllm_ascend.device.sim.matmul import rows_alike
-from vllm_ascend.device.sim.memory import libraries_keep_host_memory
 from vllm_ascend.device.sim.trace import kernel
 
 _lib = torch.library.Library("ascend_sim", "FRAGMENT")
@@ -93,7 +93,8 @@ def fia_kernel(query, key, value, atten_mask, actual_seq_lengths, actual_seq_len
                sparse_mode, band_of(sparse_mode, pre_tokens, next_tokens), block_size, out)
 
 
-@libraries_keep_host_memory
+@first_calls_measured(lambda query, key, value, block_table, seq, seq_kv, q_lens, *rest,
+                      **kw: (query.shape[1:], key.shape[1:], len(q_lens), max(q_lens) > 1))
 def fia_attend(query, key, value, block_table, actual_seq_lengths, actual_seq_lengths_kv,
                q_lens, kv_lens, num_heads, nkv, d, scale, sparse_mode, band, block_size, out,
                sink=None):
@@ -299,7 +300,7 @@ def _fia_impl(query, key, value, *, atten_mask=None, actual_seq_lengths=None,
     return out, torch.empty(0, dtype=torch.float32, device=query.device)
 
 
-@libraries_keep_host_memory
+@first_calls_measured(lambda query, key, seq, *rest: (query.shape[1:], key.shape[1:], len(seq)))
 def fia_lse(query, key, actual_seq_lengths, actual_seq_lengths_kv, num_heads, nkv, scale,
             sparse_mode):
     """The log-sum-exp of each query row's scaled scores over the keys it attends to, float32

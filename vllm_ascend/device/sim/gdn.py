@@ -29,7 +29,7 @@ from vllm_ascend.device.sim import aclnn
 from vllm_ascend.device.sim.aclnn import CAPTURING, require_contiguous, sampling
 from vllm_ascend.device.sim.devices import soc_generation
 from vllm_ascend.device.sim.errors import PARAM_INVALID, TILING_ERROR, AscendOpError
-from vllm_ascend.device.sim.memory import libraries_keep_host_memory
+from vllm_ascend.device.sim.library_caches import first_calls_measured
 from vllm_ascend.device.sim.trace import kernel
 
 _lib = torch.library.Library("ascend_sim", "FRAGMENT")
@@ -106,7 +106,7 @@ def _step(s, q, k, v, beta, g, gk, scale, group):
     return torch.einsum("hvk,hk->hv", s, q) * scale
 
 
-@libraries_keep_host_memory
+@first_calls_measured(lambda query, key, value, **kw: (query.shape, value.shape))
 def _chunk_impl(query, key, value, *, beta=None, initial_state=None, actual_seq_lengths=None,
                 scale=None, g=None):
     op = "npu_chunk_gated_delta_rule"
@@ -187,7 +187,7 @@ def _recurrent_checks(query, key, value, state, beta, scale, actual_seq_lengths,
     return err
 
 
-@libraries_keep_host_memory
+@first_calls_measured(lambda err, query, key, value, state, *rest: (query.shape, state.shape))
 def _recurrent_run(err, query, key, value, state, beta, scale, actual_seq_lengths,
                    ssm_state_indices, num_accepted_tokens, g, gk, out):
     t, nk, _ = query.shape

@@ -66,6 +66,7 @@ import torch
 
 from vllm_ascend.device.sim import acl as _acl
 from vllm_ascend.device.sim import memory as _memory
+from vllm_ascend.device.sim import library_caches as _caches
 
 FP32_FROM_ROWS = 9
 ONE_ROW_PADDED_TO = 2  # a one-row product runs torch's kernel on this many rows
@@ -291,8 +292,9 @@ class _Copies:
     products read it, made once and again only when the weight may have been written:
 
     - ``packed``: oneDNN's blocked copy of a bfloat16 weight, which its products of 1 to 8 rows
-      read, eager or replayed (and those of 9 or more on a CPU with bf16 instructions). torch's bf16 kernel hands oneDNN the plain weight, which it
-      reorders into such a layout at every call (a SmolLM2 step's 121 products of one row:
+      read, eager or replayed (and those of 9 or more on a CPU with bf16 instructions).
+      torch's bf16 kernel hands oneDNN the plain weight, which it reorders into such a layout
+      at every call (a SmolLM2 step's 121 products of one row:
       6.1 ms packed, 12-15 ms through torch's kernel, 13.7 through oneDNN's given the plain
       weight). The bits are those torch's kernel gives 1 to 8 rows (one padded to two) on this
       project's CPU, which tests/ut/test_sim_matmul.py checks: a CPU where they differ fails
@@ -342,8 +344,8 @@ class _Copies:
 def _linear_packed(rows, packed, shape, bias):
     """oneDNN's bf16 product of rows with a packed weight of ``shape`` (+ bias)."""
     key = ("packed", rows.shape, shape, bias is None)
-    if key not in _MEASURED:  # (measured_once marks it, then calls back)
-        return measured_once(key, lambda: _linear_packed(rows, packed, shape, bias))
+    if key not in _caches._MEASURED:  # (measured_once marks it, then calls back)
+        return _caches.measured_once(key, lambda: _linear_packed(rows, packed, shape, bias))
     return _LINEAR(rows, packed, bias, "none", [], "")
 
 
@@ -427,24 +429,6 @@ def _data_get(tensor):
     return _DATA.__get__(tensor)
 
 
-# -- what a CPU library keeps for a shape -------------------------------------------------------
-_MEASURED: set = set()  # the kernels and shapes whose first call was measured
-
-
-def measured_once(key, call):
-    """``call()``, the first call of a kernel for ``key`` (its shapes): what it leaves on the
-    heap beyond its result is the CPU library's cache for those shapes (oneDNN keeps a primitive
-    per shape and row count, some MB for a bf16 product on an AVX-512 CPU; an AVX2 CPU's kernel
-    keeps nothing), host memory of the simulator's kernels, not the device's
-    (``memory.libraries_keep``). Counted as the device's, it grew a capture's memory past the
-    estimate on CPUs whose kernels cache, whose small sizes the estimate does not sample.
-    (oneDNN's cache holds 1024 primitives and evicts the oldest: the count would then keep
-    memory the cache gave back, a laxer reading no engine here reaches: a SmolLM2 engine's
-    products have a few dozen shapes.)"""
-    _MEASURED.add(key)
-    return _memory.libraries_keep(call)
-
-
 class _Original:
     """torch's own CPU kernel of an op, callable with or without a dispatch key set. Its first
     call for a bf16/fp16 shape is measured (``measured_once``)."""
@@ -457,8 +441,9 @@ class _Original:
         a, b = args[-2], args[-1]  # mm(a, b), addmm(bias, a, b)
         if a.dtype in _LOW and "out" not in kwargs:
             key = (self.name, a.shape, b.shape, a.dtype, b.stride())
-            if key not in _MEASURED:  # (measured_once marks it, then calls back)
-                return measured_once(key, lambda: self.call_boxed(keyset, *args, **kwargs))
+            if key not in _caches._MEASURED:  # (measured_once marks it, then calls back)
+                return _caches.measured_once(
+                    key, lambda: self.call_boxed(keyset, *args, **kwargs))
         return self.kernel.call_boxed(keyset, *args, **kwargs)
 
     def __call__(self, *args, **kwargs):

@@ -41,7 +41,6 @@ an empty device, where the chip would still hold what an earlier worker leaked.
 import contextlib
 import ctypes
 import ctypes.util
-import functools
 import os
 
 import torch
@@ -143,36 +142,6 @@ def simulator_holds(nbytes: int) -> None:
 def heap() -> int:
     """The process's C heap in use, for the simulator to measure what it takes for itself."""
     return _heap()
-
-
-LIBRARY_SLACK = 64 << 10  # heap growth below this is the allocator's rounding, not a cache
-
-
-def libraries_keep(call):
-    """``call()``: what the heap gained beyond its results (tensors, or None for a kernel that
-    writes into its outputs) is what the CPU libraries under the simulator's kernels kept,
-    host memory a chip would not hold. MKL's memory manager keeps the work buffers of its
-    float32 products, growing with the largest asked for (several MB per size of FIA's products
-    on an AMX Xeon's first float32 products during the capture warm-ups: counted as the
-    device's, it took vLLM's default FULL engine's graph estimate from 50 to 504 MB); oneDNN
-    keeps a primitive per shape (sim/matmul.py)."""
-    before = _heap()
-    out = call()
-    results = out if isinstance(out, (tuple, list)) else (out,)
-    made = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in results
-            if isinstance(t, torch.Tensor)}
-    left = _heap() - before - sum(made.values())
-    if left > LIBRARY_SLACK:
-        _ACCOUNT.simulator += left
-    return out
-
-
-def libraries_keep_host_memory(kernel):
-    """A simulated kernel whose CPU libraries' caches are counted by ``libraries_keep``."""
-    @functools.wraps(kernel)
-    def counted(*args, **kwargs):
-        return libraries_keep(lambda: kernel(*args, **kwargs))
-    return counted
 
 
 def can_allocate(nbytes: int, total: int) -> bool:

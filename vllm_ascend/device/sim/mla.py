@@ -13,7 +13,7 @@ from vllm_ascend.device.sim.errors import PARAM_INVALID, TILING_ERROR, AscendOpE
 from vllm_ascend.device.sim.fia import fia_attend
 from vllm_ascend.device.sim.fia_checks import (ATTEN_MASK_SIZE, FIA_DTYPES, FIA_MAX_BATCH, band_of,
                                                check_causal_mask, check_fia)
-from vllm_ascend.device.sim.memory import libraries_keep_host_memory
+from vllm_ascend.device.sim.library_caches import first_calls_measured
 from vllm_ascend.device.sim.trace import kernel
 
 _lib = Library("ascend_sim", "FRAGMENT")
@@ -138,7 +138,7 @@ _lib.define("npu_transpose_batchmatmul(Tensor input, Tensor weight, *, int[]? pe
             "int[]? perm_y=None) -> Tensor")
 
 
-@libraries_keep_host_memory
+@first_calls_measured(lambda input, weight, **kw: (input.shape, weight.shape))
 def _transpose_batchmatmul_impl(input, weight, *, perm_x1=None, perm_y=None):
     err = _error("npu_transpose_batchmatmul", "aclnnTransposeBatchMatMul")
     perm_x1 = list(perm_x1) if perm_x1 is not None else [0, 1, 2]

@@ -15,7 +15,7 @@ import torch
 from torch.library import Library
 
 from vllm_ascend.device.sim.errors import PARAM_INVALID, TILING_ERROR, AscendOpError
-from vllm_ascend.device.sim.memory import libraries_keep_host_memory
+from vllm_ascend.device.sim.library_caches import first_calls_measured
 from vllm_ascend.device.sim.trace import kernel
 
 _lib = Library("ascend_sim", "FRAGMENT")
@@ -178,7 +178,7 @@ def _routing_impl(x, expert_idx, *, scale=None, offset=None, active_num=-1, expe
 PER_TOKEN_OUTPUT = {torch.bfloat16: torch.bfloat16, torch.float32: torch.float16}
 
 
-@libraries_keep_host_memory
+@first_calls_measured(lambda x, weight, **kw: (x[0].shape, weight[0].shape))
 def _grouped_matmul_impl(x, weight, *, bias=None, scale=None, per_token_scale=None,
                          group_list=None, split_item=0, group_type=None, group_list_type=0,
                          output_dtype=None):
