@@ -65,8 +65,8 @@ import weakref
 import torch
 
 from vllm_ascend.device.sim import acl as _acl
-from vllm_ascend.device.sim import memory as _memory
 from vllm_ascend.device.sim import library_caches as _caches
+from vllm_ascend.device.sim import memory as _memory
 
 FP32_FROM_ROWS = 9
 ONE_ROW_PADDED_TO = 2  # a one-row product runs torch's kernel on this many rows
@@ -294,9 +294,8 @@ class _Copies:
     - ``packed``: oneDNN's blocked copy of a bfloat16 weight, which its products of 1 to 8 rows
       read, eager or replayed (and those of 9 or more on a CPU with bf16 instructions).
       torch's bf16 kernel hands oneDNN the plain weight, which it reorders into such a layout
-      at every call (a SmolLM2 step's 121 products of one row:
-      6.1 ms packed, 12-15 ms through torch's kernel, 13.7 through oneDNN's given the plain
-      weight). The bits are those torch's kernel gives 1 to 8 rows (one padded to two) on this
+      at every call (a SmolLM2 step's 121 products of one row: 6.1 ms packed, 12-15 ms through
+      torch's kernel, 13.7 through oneDNN's given the plain weight). The bits are those torch's kernel gives 1 to 8 rows (one padded to two) on this
       project's CPU, which tests/ut/test_sim_matmul.py checks: a CPU where they differ fails
       it. (Checking at run time made two oneDNN primitives, kept in its cache, for each row
       count and shape: 63 MB more in a SmolLM2 capture, which the simulator counts as the
@@ -341,11 +340,9 @@ class _Copies:
         return self.wide
 
 
+@_caches.first_calls_measured(lambda rows, packed, shape, bias: (rows.shape, shape, bias is None))
 def _linear_packed(rows, packed, shape, bias):
     """oneDNN's bf16 product of rows with a packed weight of ``shape`` (+ bias)."""
-    key = ("packed", rows.shape, shape, bias is None)
-    if key not in _caches._MEASURED:  # (measured_once marks it, then calls back)
-        return _caches.measured_once(key, lambda: _linear_packed(rows, packed, shape, bias))
     return _LINEAR(rows, packed, bias, "none", [], "")
 
 
