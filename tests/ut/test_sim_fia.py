@@ -423,8 +423,9 @@ def test_what_the_products_cpu_library_keeps_is_host_memory(q_lens, kv_lens, mon
     device's, they grew the default FULL engine's graph estimate from 50 to 504 MB). What a
     batch size's first call leaves on the heap beyond its output is the simulator's host
     memory (library_caches.first_calls_measured), whichever CPU runs it: a library that keeps
-    4 MB a call is emulated here. A later call of the same batch size is not measured (a heap reading costs
-    more than the products): what it keeps stays the device's, the stricter reading."""
+    4 MB a call is emulated here. A later call of the same batch size is not measured (a heap
+    reading costs more than the products): what it keeps stays the device's, the stricter
+    reading."""
     from vllm_ascend.device.sim import library_caches, memory
 
     kept = []

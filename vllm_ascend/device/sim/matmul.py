@@ -295,11 +295,11 @@ class _Copies:
       read, eager or replayed (and those of 9 or more on a CPU with bf16 instructions).
       torch's bf16 kernel hands oneDNN the plain weight, which it reorders into such a layout
       at every call (a SmolLM2 step's 121 products of one row: 6.1 ms packed, 12-15 ms through
-      torch's kernel, 13.7 through oneDNN's given the plain weight). The bits are those torch's kernel gives 1 to 8 rows (one padded to two) on this
-      project's CPU, which tests/ut/test_sim_matmul.py checks: a CPU where they differ fails
-      it. (Checking at run time made two oneDNN primitives, kept in its cache, for each row
-      count and shape: 63 MB more in a SmolLM2 capture, which the simulator counts as the
-      device's.)
+      torch's kernel, 13.7 through oneDNN's given the plain weight). The bits are those
+      torch's kernel gives 1 to 8 rows (one padded to two) on this project's CPU, which
+      tests/ut/test_sim_matmul.py checks: a CPU where they differ fails it. (Checking at run
+      time made two oneDNN primitives, kept in its cache, for each row count and shape: 63 MB
+      more in a SmolLM2 capture, which the simulator counts as the device's.)
     - ``wide``: the weight in float32, which its products of 9 rows or more read (a CPU
       without bf16 instructions, or a float16 weight). Converting the weight at every call
       cost more than the product (SmolLM2's LM head at 16 rows on an AVX2 CPU: 75.2 ms
