@@ -720,6 +720,15 @@ MUTATIONS = [
              "on vLLM's Triton kernels", "vllm_ascend/attention/limits.py",
              "        found += state_space_layers(vllm_config, config)\n", "",
              ("tests/e2e/test_start_up_errors.py", "-k", "mamba2")),
+    Mutation("qwen3_5-needs-torchvision", "the stand-in for transformers' torchvision image "
+             "processor module is not installed: a text-only Qwen3.5 fails vLLM's inspection",
+             "vllm_ascend/patch/qwen2_vl_image_processor.py",
+             "    sys.modules[TARGET] = _stand_in()", "    return",
+             ("tests/ut/test_patch_qwen2_vl.py",)),
+    Mutation("qwen3_5-images-not-refused", "Qwen3.5's vision-language class starts with image "
+             "inputs that no Ascend vision encoder serves", "vllm_ascend/attention/limits.py",
+             "    if model.is_multimodal_model and model.supports_multimodal_inputs:",
+             "    if False:", ("tests/e2e/test_gated_deltanet.py", "-k", "images")),
     Mutation("modelslim-mtp-layer-unnamed",
              "an export whose description leaves out DeepSeek's MTP layer fails saying the "
              "description is another model's, not how to list the layer",

@@ -92,6 +92,13 @@ FAMILIES = {
                   model_class="TransformersForCausalLM", own_process=True),
     "seed_oss": dict(dtype="float16", block_size=128, prompts=PROMPTS,
                      model_class="TransformersForCausalLM", own_process=True),
+    # Qwen3.5 (text only), dense and MoE: Qwen3-Next's layers on its own checkpoints' split
+    # projections, with M-RoPE (a text request's three position streams equal). It starts
+    # without torchvision (vllm_ascend/patch/qwen2_vl_image_processor.py).
+    "qwen3_5": dict(dtype="bfloat16", block_size=128, prompts=PROMPTS + [LONG],
+                    model_class="Qwen3_5ForCausalLM"),
+    "qwen3_5_moe": dict(dtype="bfloat16", block_size=128, prompts=PROMPTS + [LONG],
+                        model_class="Qwen3_5MoeForCausalLM"),
 }
 MODES = ["NONE", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]
 CAPTURE_SIZES = [1, 2, 4]  # the prompts' decode batch (4) is a captured size

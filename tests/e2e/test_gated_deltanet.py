@@ -1,9 +1,10 @@
-"""Qwen3-Next's Gated DeltaNet layers beyond the family matrix (test_families.py runs the tiny
-Qwen3-Next against HF in NONE, FULL_DECODE_ONLY and FULL_AND_PIECEWISE, graph modes equal to
-eager, and at TP=2): PIECEWISE, where the GDN core runs between the pieces; a prompt longer than
-the step's token budget, whose conv and recurrent states are carried from chunk to chunk; the
-settings not served yet (prefix caching of the states, turned off with a warning; speculative
-decoding, refused at start-up)."""
+"""Gated DeltaNet layers beyond the family matrix (test_families.py runs the tiny Qwen3-Next,
+Qwen3.5 and Qwen3.5-MoE against HF in NONE, FULL_DECODE_ONLY and FULL_AND_PIECEWISE, graph
+modes equal to eager, and at TP=2): PIECEWISE, where the GDN core runs between the pieces, for
+the three; a prompt longer than the step's token budget, whose conv and recurrent states are
+carried from chunk to chunk; the settings not served yet (prefix caching of the states, turned
+off with a warning; speculative decoding, refused at start-up); Qwen3.5 starting where
+torchvision does not import."""
 
 import pytest
 
@@ -20,14 +21,15 @@ CHUNKED_DRIFT = 0.26  # twice the measured 0.130 (the bfloat16 states at two chu
 
 
 @pytest.mark.slow
-def test_piecewise_is_close_to_hf_and_gives_the_eager_result_exactly():
-    result = test_families.engine_run(FAMILY, "PIECEWISE")
-    spec = test_families.FAMILIES[FAMILY]
+@pytest.mark.parametrize("family", [FAMILY, "qwen3_5", "qwen3_5_moe"])
+def test_piecewise_is_close_to_hf_and_gives_the_eager_result_exactly(family):
+    result = test_families.engine_run(family, "PIECEWISE")
+    spec = test_families.FAMILIES[family]
     for prompt, out, eager in zip(spec["prompts"], result["outs"],
-                                  test_families.run(FAMILY, "NONE")["outs"]):
-        check_logprobs_close(hf_greedy(model_path(FAMILY), prompt, 16), out,
-                             f"{FAMILY} PIECEWISE {prompt[:24]!r}", dtype="bfloat16")
-        check_identical(eager, out, f"{FAMILY} PIECEWISE {prompt[:24]!r}")
+                                  test_families.run(family, "NONE")["outs"]):
+        check_logprobs_close(hf_greedy(model_path(family), prompt, 16), out,
+                             f"{family} PIECEWISE {prompt[:24]!r}", dtype="bfloat16")
+        check_identical(eager, out, f"{family} PIECEWISE {prompt[:24]!r}")
     # a graph per piece (2 layers + 1) in each decode step
     assert result["made"]["replayed"] == result["expected"]
     assert result["made"]["replayed"].get("PIECEWISE", 0) >= 3 * 15
@@ -61,3 +63,34 @@ def test_speculative_decoding_on_gated_deltanet_is_refused_before_weights_load()
         with engine(config_only_dir(FAMILY), speculative_config={
                 "method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}):
             pass
+
+
+def qwen3_5_vl_config_dir() -> str:
+    """Qwen3.5's vision-language class (``Qwen3_5ForConditionalGeneration``) on the tiny text
+    model's config and a one-block vision tower: a config without weights."""
+    import transformers
+
+    from scripts.models import _tiny_config, CACHE
+    path = CACHE / "models" / "config-qwen3_5-vl"
+    if not (path / "config.json").exists():
+        text, tok = _tiny_config("qwen3_5")
+        config = transformers.Qwen3_5Config(text_config=text.to_dict(), vision_config={
+            "depth": 1, "hidden_size": 64, "num_heads": 2, "intermediate_size": 128,
+            "out_hidden_size": 128})
+        config.architectures = ["Qwen3_5ForConditionalGeneration"]
+        tmp = path.with_suffix(".tmp")
+        config.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        tmp.rename(path)
+    return str(path)
+
+
+def test_qwen3_5s_images_are_refused_in_the_front_end_and_its_text_model_is_not():
+    from vllm.engine.arg_utils import EngineArgs
+    path = qwen3_5_vl_config_dir()
+    with pytest.raises(ValueError, match="Qwen3_5ForConditionalGeneration's image and video "
+                                         "inputs.*--language-model-only"):
+        EngineArgs(model=path, max_model_len=512).create_engine_config()
+    config = EngineArgs(model=path, max_model_len=512,
+                        language_model_only=True).create_engine_config()
+    assert config.model_config.architecture == "Qwen3_5ForConditionalGeneration"

@@ -127,7 +127,8 @@ def state_space_layers(vllm_config, model) -> list:
         "docs/supported_models.md lists the families that run.")]
 
 
-GDN_SERVED = {"qwen3_next"}  # (Qwen3.5's classes import torchvision: not yet)
+# (Qwen3.5's vision-language class shares the text model type: images are refused in check())
+GDN_SERVED = {"qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"}
 
 
 def serves_gated_deltanet(model) -> bool:
@@ -135,8 +136,8 @@ def serves_gated_deltanet(model) -> bool:
 
 
 def gated_deltanet(vllm_config) -> list:
-    """Qwen3-Next's Gated DeltaNet layers (ops/gdn.py): their states must fit the KV cache's
-    lanes (attention/hybrid.py); speculative decoding on them is not served yet."""
+    """Qwen3-Next's and Qwen3.5's Gated DeltaNet layers (ops/gdn.py): their states must fit the
+    KV cache's lanes (attention/hybrid.py); speculative decoding on them is not served yet."""
     model, found = vllm_config.model_config, []
     layout = gdn_layout(vllm_config, (BLOCK_SIZE_ALIGN, BLOCK_SIZE_BELOW))
     if isinstance(layout, str):
@@ -163,6 +164,13 @@ def check(vllm_config) -> None:
     # (a draft model that is the target itself, as n-gram's draft config is, is checked once)
     others = [draft] if draft is not None and draft is not model and \
         draft.model != model.model else []
+    if model.is_multimodal_model and model.supports_multimodal_inputs:
+        found.append(Violation(
+            f"{model.architecture}'s image and video inputs",
+            "vllm-ascend has no Ascend path for a vision encoder yet (upstream's: "
+            "ops/mm_encoder_attention.py)",
+            "Serve its language model for text with --language-model-only (or "
+            "--limit-mm-per-prompt with 0 for every modality)."))
     for config in [model, *others]:
         found += state_space_layers(vllm_config, config)
         if config.is_attention_free:

@@ -5,10 +5,11 @@ its executor starts), the platform's config hook and the worker's device set-up.
 
 
 def apply() -> None:
-    from vllm_ascend.patch import (engine_core_client, ray_placement, torch_accelerator,
-                                   triton_placeholder, v2_triton_check)
+    from vllm_ascend.patch import (engine_core_client, qwen2_vl_image_processor, ray_placement,
+                                   torch_accelerator, triton_placeholder, v2_triton_check)
 
     engine_core_client.apply()
+    qwen2_vl_image_processor.apply()
     ray_placement.apply()
     torch_accelerator.apply()
     triton_placeholder.apply()
