@@ -720,6 +720,11 @@ MUTATIONS = [
              "on vLLM's Triton kernels", "vllm_ascend/attention/limits.py",
              "        found += state_space_layers(vllm_config, config)\n", "",
              ("tests/e2e/test_start_up_errors.py", "-k", "mamba2")),
+    Mutation("gdn-recomputed-request-reads-old-states", "a request prefilled from its first "
+             "token (new, or preempted and recomputed) starts its delta rule from the recurrent "
+             "state left in its slot", "vllm_ascend/ops/gdn.py",
+             "        initial[fresh] = 0\n", "",
+             ("tests/e2e/test_gated_deltanet.py", "-k", "preempted")),
     Mutation("qwen3_5-needs-torchvision", "the stand-in for transformers' torchvision image "
              "processor module is not installed: a text-only Qwen3.5 fails vLLM's inspection",
              "vllm_ascend/patch/qwen2_vl_image_processor.py",
