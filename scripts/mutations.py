@@ -725,6 +725,10 @@ MUTATIONS = [
              "state left in its slot", "vllm_ascend/ops/gdn.py",
              "        initial[fresh] = 0\n", "",
              ("tests/e2e/test_gated_deltanet.py", "-k", "preempted")),
+    Mutation("plan-hybrid-blocks-as-attention", "the start-up plan sizes a hybrid model's KV "
+             "cache blocks as if every layer were attention", "vllm_ascend/plan.py",
+             "    if states is not None:\n        return states.group_size * 2 * states.recurrent\n",
+             "", ("tests/e2e/test_gated_deltanet.py", "-k", "plan")),
     Mutation("qwen3_5-needs-torchvision", "the stand-in for transformers' torchvision image "
              "processor module is not installed: a text-only Qwen3.5 fails vLLM's inspection",
              "vllm_ascend/patch/qwen2_vl_image_processor.py",

@@ -109,6 +109,7 @@ class MemoryPlan:
     block_bytes: int  # one KV cache block, all layers of this rank
     max_model_len_blocks: int  # blocks one request of max_model_len needs
     memory_setting: "str | None" = None  # what sets the device's memory (the simulator's)
+    states: "StatePlan | None" = None  # a hybrid model's recurrent states, in the KV cache
 
     @property
     def kv_cache(self) -> "int | None":
@@ -286,9 +287,46 @@ def communicators(vllm_config) -> int:
     return sum(size > 1 for size in groups)
 
 
-def kv_block_bytes(vllm_config) -> int:
-    """One KV cache block of every attention layer this rank holds."""
+@dataclasses.dataclass(frozen=True)
+class StatePlan:
+    """A hybrid model's Gated DeltaNet states on this rank (attention/hybrid.py): each lives in
+    a KV cache block, one block a request in each state group."""
+    layers: int  # GDN layers of this rank
+    groups: int  # vLLM's KV cache groups of them: blocks a request holds for its states
+    recurrent: int  # bytes of one layer's recurrent state
+    conv: int  # and of its conv state
+    block_size: int  # tokens of an attention block (one block's K is one recurrent state)
+    group_size: int  # layers per KV cache group: the KV cache's tensors
+
+
+def state_plan(vllm_config) -> "StatePlan | None":
+    from vllm_ascend.attention.hybrid import gdn_layout, state_bytes
+    from vllm_ascend.attention.limits import (BLOCK_SIZE_ALIGN, BLOCK_SIZE_BELOW,
+                                              serves_gated_deltanet)
     model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    if not model.is_hybrid or not serves_gated_deltanet(model):
+        return None
+    layout = gdn_layout(vllm_config, (BLOCK_SIZE_ALIGN, BLOCK_SIZE_BELOW))
+    start, end = model.get_layers_start_end_indices(parallel)
+    types = model.hf_text_config.layer_types[start:end]
+    gdn, attention = types.count("linear_attention"), len(types) - types.count("linear_attention")
+    # vLLM's grouping of layers of two kinds (kv_cache_utils: the smaller count, or the larger
+    # when it is under 1.5 times the smaller)
+    small, large = min(gdn, attention) or max(gdn, attention), max(gdn, attention)
+    group = large if large < small * 1.5 else small
+    conv, recurrent = state_bytes(vllm_config)
+    return StatePlan(layers=gdn, groups=-(-gdn // group), recurrent=recurrent, conv=conv,
+                     block_size=layout.block_size, group_size=group)
+
+
+def kv_block_bytes(vllm_config) -> int:
+    """One KV cache block of every attention layer this rank holds (of a hybrid model's: of
+    every KV cache tensor, each a page of an attention layer's K and V, or of a GDN layer's
+    states)."""
+    model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    states = state_plan(vllm_config)
+    if states is not None:
+        return states.group_size * 2 * states.recurrent
     block = vllm_config.cache_config.block_size
     layers = model.get_num_layers(parallel)
     if model.use_mla:
@@ -312,14 +350,16 @@ def memory_plan(vllm_config, device_total: int, graphs: GraphPlan, per_layer: in
         drafter = checkpoint_weights(draft, parallel, parallel.pipeline_parallel_size - 1)
         weights = None if drafter is None else weights + drafter
     block_bytes = kv_block_bytes(vllm_config)
-    block = vllm_config.cache_config.block_size
+    states = state_plan(vllm_config)
+    block = vllm_config.cache_config.block_size if states is None else states.block_size
     return MemoryPlan(
         total=device_total,
         requested=int(device_total * vllm_config.cache_config.gpu_memory_utilization),
         communicators=communicators(vllm_config) * communicator_bytes, weights=weights,
         activations=activation_bytes(vllm_config),
         graphs=graph_bytes(vllm_config, graphs, per_layer), block_bytes=block_bytes,
-        max_model_len_blocks=-(-model.max_model_len // block))
+        max_model_len_blocks=-(-model.max_model_len // block) + (states.groups if states else 0),
+        states=states)
 
 
 # -- the plan, its refusals and its log ------------------------------------------------------------
@@ -379,7 +419,12 @@ class StartupPlan:
             f"memory: {m.total / GiB:.2f} GiB device, {m.requested / GiB:.2f} GiB requested; "
             f"weights {weights}, activations {m.activations / GiB:.2f} GiB, graphs "
             f"{m.graphs / GiB:.2f} GiB, communicators {m.communicators / GiB:.2f} GiB (outside "
-            f"the request); KV cache {kv}"]
+            f"the request); KV cache {kv}"] + ([] if m.states is None else [
+            f"states: Gated DeltaNet in {m.states.layers} layer(s), per request and layer a "
+            f"recurrent state of {m.states.recurrent / 1024:.1f} KiB and a conv state of "
+            f"{m.states.conv / 1024:.1f} KiB, held in the KV cache's blocks ({m.states.groups} "
+            f"block(s) a request; blocks of {m.states.block_size} tokens: one block's K is one "
+            "recurrent state)"])
 
 
 def within(name: str, planned: float, measured: float) -> bool:

@@ -6,12 +6,14 @@ carried from chunk to chunk; preempted requests recomputed from zero states; the
 served yet (prefix caching of the states, turned off with a warning; speculative decoding,
 refused at start-up; a vision-language class's images, refused in the front end)."""
 
+import os
+
 import pytest
 
 from scripts.models import config_only_dir
 from tests.e2e import test_families
 from tests.e2e.conftest import (check_identical, check_logprobs_close, engine, hf_greedy,
-                                model_path, platform_log, replays, vllm_greedy)
+                                model_path, plan_command, platform_log, replays, vllm_greedy)
 from tests.e2e.test_request_classes import preemptions, prompt_of
 
 FAMILY = "qwen3_next"
@@ -79,6 +81,51 @@ def test_preempted_requests_resume_from_recomputed_states_close_to_hf():
                              f"qwen3_5 preempted batch, request {i}", dtype="bfloat16")
 
 
+def saved_config(name: str, make) -> str:
+    """A checkpoint directory ``name`` of the config and tokenizer ``make()`` gives, without
+    weights (made once in the model cache)."""
+    from scripts.models import CACHE
+    path = CACHE / "models" / name
+    if not (path / "config.json").exists():
+        config, tok = make()
+        tmp = path.with_suffix(".tmp")
+        config.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        tmp.rename(path)
+    return str(path)
+
+
+def qwen3_5_3_to_1_config_dir() -> str:
+    """The tiny Qwen3.5's config with three GDN layers to one attention layer, as published
+    (without weights: vLLM's dummy load)."""
+    from scripts.models import _tiny_config
+
+    def make():
+        config, tok = _tiny_config("qwen3_5", num_hidden_layers=4, layer_types=[
+            "linear_attention", "linear_attention", "linear_attention", "full_attention"])
+        config.architectures = ["Qwen3_5ForCausalLM"]
+        return config, tok
+    return saved_config("config-qwen3_5-3to1", make)
+
+
+@pytest.mark.slow
+def test_the_plan_counts_the_states_blocks_as_the_engine_lays_them_out():
+    """The start-up plan of a hybrid model with GDN and attention layers 3:1: vLLM groups them
+    into four KV cache groups of one layer (one tensor), each block a page of the GDN layout
+    (attention/hybrid.py); a request of max_model_len holds one more block per state group;
+    `vllm-ascend plan` prints the states."""
+    path = qwen3_5_3_to_1_config_dir()
+    with engine(path, load_format="dummy") as llm:
+        (figures,) = llm.collective_rpc("startup_figures")
+        blocks = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
+    # (the plan's weights, and so its KV cache, are unknown without a checkpoint)
+    assert figures["measured"]["kv_cache"] == blocks * figures["planned"]["kv_block_bytes"]
+    output = plan_command(path, "--max-model-len", "512", env=dict(os.environ))
+    assert ("states: Gated DeltaNet in 3 layer(s), per request and layer a recurrent state of "
+            "128.0 KiB and a conv state of 6.0 KiB, held in the KV cache's blocks (3 block(s) a "
+            "request; blocks of 256 tokens: one block's K is one recurrent state)") in output
+
+
 def test_speculative_decoding_on_gated_deltanet_is_refused_before_weights_load():
     with pytest.raises(ValueError, match="speculative decoding on Qwen3NextForCausalLM's "
                                          "Gated DeltaNet layers"):
@@ -92,19 +139,16 @@ def qwen3_5_vl_config_dir() -> str:
     model's config and a one-block vision tower: a config without weights."""
     import transformers
 
-    from scripts.models import _tiny_config, CACHE
-    path = CACHE / "models" / "config-qwen3_5-vl"
-    if not (path / "config.json").exists():
+    from scripts.models import _tiny_config
+
+    def make():
         text, tok = _tiny_config("qwen3_5")
         config = transformers.Qwen3_5Config(text_config=text.to_dict(), vision_config={
             "depth": 1, "hidden_size": 64, "num_heads": 2, "intermediate_size": 128,
             "out_hidden_size": 128})
         config.architectures = ["Qwen3_5ForConditionalGeneration"]
-        tmp = path.with_suffix(".tmp")
-        config.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        tmp.rename(path)
-    return str(path)
+        return config, tok
+    return saved_config("config-qwen3_5-vl", make)
 
 
 def test_qwen3_5s_images_are_refused_in_the_front_end_and_its_text_model_is_not():

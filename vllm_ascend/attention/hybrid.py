@@ -31,17 +31,29 @@ class HybridLayout:
         return 2 * self.lane_bytes
 
 
+def _state_shapes(vllm_config) -> tuple:
+    from vllm.model_executor.models import ModelRegistry
+
+    model = vllm_config.model_config
+    model_cls, _ = ModelRegistry.resolve_model_cls(model.architecture, model_config=model)
+    return (model_cls.get_mamba_state_shape_from_config(vllm_config),
+            model_cls.get_mamba_state_dtype_from_config(vllm_config))
+
+
+def state_bytes(vllm_config) -> tuple[int, int]:
+    """A GDN layer's (conv, recurrent) state bytes for one request."""
+    shapes, dtypes = _state_shapes(vllm_config)
+    conv, ssm = (math.prod(s) * d.itemsize for s, d in zip(shapes, dtypes))
+    return conv, ssm
+
+
 def gdn_layout(vllm_config, block_sizes: tuple[int, int]) -> "HybridLayout | str":
     """The layout of ``vllm_config``'s model, or why its states do not fit one; paged
     attention takes block sizes that are multiples of ``block_sizes[0]`` below
     ``block_sizes[1]`` (attention/limits.py)."""
-    from vllm.model_executor.models import ModelRegistry
-
     model, parallel = vllm_config.model_config, vllm_config.parallel_config
-    model_cls, _ = ModelRegistry.resolve_model_cls(model.architecture, model_config=model)
-    shapes = model_cls.get_mamba_state_shape_from_config(vllm_config)
-    dtypes = model_cls.get_mamba_state_dtype_from_config(vllm_config)
-    conv, ssm = (math.prod(s) * d.itemsize for s, d in zip(shapes, dtypes))
+    _, dtypes = _state_shapes(vllm_config)
+    conv, ssm = state_bytes(vllm_config)
     if dtypes[1] != torch.bfloat16:
         return (f"recurrent states in {str(dtypes[1]).removeprefix('torch.')}: "
                 "npu_recurrent_gated_delta_rule updates bfloat16 states only on an Atlas A2/A3 "

@@ -244,7 +244,7 @@ class NPUWorker(Worker):
         memory = self.startup_plan.memory
         planned = {"weights": memory.weights, "activations": memory.activations,
                    "graphs": memory.graphs, "kv_cache": memory.kv_cache,
-                   "communicators": memory.communicators,
+                   "kv_block_bytes": memory.block_bytes, "communicators": memory.communicators,
                    "graph_counts": dict(self.startup_plan.graphs.graphs),
                    "streams": self.startup_plan.graphs.streams}
         weights = self.model_runner.model_memory_usage
