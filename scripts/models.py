@@ -151,6 +151,11 @@ TINY_FAMILIES = {
         "n_shared_experts": 1, "moe_intermediate_size": 64, "n_group": 1, "topk_group": 1,
         "num_nextn_predict_layers": 1}),
 }
+# Qwen3-Next with attention heads of 64: a recurrent state is 512 tokens' K, so its blocks hold
+# 512 tokens, which FIA reads as kernel blocks of 256 (attention/hybrid.py), as the published
+# sizes' blocks of 1024 tokens.
+TINY_FAMILIES["qwen3_next_h64"] = ("Qwen3NextConfig", "Qwen3NextForCausalLM",
+                                   {**TINY_FAMILIES["qwen3_next"][2], "head_dim": 64})
 
 
 def _tokenizer_dir() -> pathlib.Path:

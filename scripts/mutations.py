@@ -729,6 +729,12 @@ MUTATIONS = [
              "cache blocks as if every layer were attention", "vllm_ascend/plan.py",
              "    if states is not None:\n        return states.group_size * 2 * states.recurrent\n",
              "", ("tests/e2e/test_gated_deltanet.py", "-k", "plan")),
+    Mutation("kv-views-at-the-managers-block-size", "a hybrid model's 512-token blocks are "
+             "viewed whole, not as the kernel blocks FIA reads",
+             "vllm_ascend/worker/model_runner.py",
+             "        kv_caches = npu_kv_cache_views(raw, kv_cache_config, kernel_block_sizes)\n",
+             "        kv_caches = npu_kv_cache_views(raw, kv_cache_config)\n",
+             ("tests/e2e/test_gated_deltanet.py", "-k", "kernel_blocks")),
     Mutation("qwen3_5-needs-torchvision", "the stand-in for transformers' torchvision image "
              "processor module is not installed: a text-only Qwen3.5 fails vLLM's inspection",
              "vllm_ascend/patch/qwen2_vl_image_processor.py",

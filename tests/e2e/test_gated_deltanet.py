@@ -13,7 +13,8 @@ import pytest
 from scripts.models import config_only_dir
 from tests.e2e import test_families
 from tests.e2e.conftest import (check_identical, check_logprobs_close, engine, hf_greedy,
-                                model_path, plan_command, platform_log, replays, vllm_greedy)
+                                model_path, plan_command, platform_log, PROMPTS, replays,
+                                vllm_greedy)
 from tests.e2e.test_request_classes import preemptions, prompt_of
 
 FAMILY = "qwen3_next"
@@ -79,6 +80,28 @@ def test_preempted_requests_resume_from_recomputed_states_close_to_hf():
     for i, (prompt, out) in enumerate(zip(prompts, outs)):
         check_logprobs_close(hf_greedy(model_path("qwen3_5"), prompt, 40), out,
                              f"qwen3_5 preempted batch, request {i}", dtype="bfloat16")
+
+
+@pytest.mark.slow
+def test_blocks_of_512_tokens_are_read_as_kernel_blocks_close_to_hf():
+    """Qwen3-Next with attention heads of 64: a recurrent state is 512 tokens' K, so its blocks
+    hold 512 tokens, more than FIA's paged block (below 512, F6): the attention layers read
+    them as kernel blocks of 256 (vLLM's split, by the backend's kernel block sizes), in NONE
+    and the default mode, close to HF and the graphs' result the eager one exactly."""
+    family, prompts, outs = "qwen3_next_h64", PROMPTS + [test_families.LONG], {}
+    for mode in ("NONE", "FULL_AND_PIECEWISE"):
+        with engine(model_path(family), compilation_config={
+                "cudagraph_mode": mode, "cudagraph_capture_sizes": [1, 2, 4]}) as llm:
+            assert llm.llm_engine.vllm_config.cache_config.block_size == 512
+            runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+            assert runner._kernel_block_sizes == [512, 256]  # the states' group, attention's
+            with replays(llm) as made:
+                outs[mode] = vllm_greedy(llm, prompts, 16)
+    assert made["replayed"].get("FULL", 0) >= 15, made
+    for prompt, eager, graph in zip(prompts, outs["NONE"], outs["FULL_AND_PIECEWISE"]):
+        check_logprobs_close(hf_greedy(model_path(family), prompt, 16), eager,
+                             f"{family} {prompt[:24]!r}", dtype="bfloat16")
+        check_identical(eager, graph, f"{family} FULL_AND_PIECEWISE {prompt[:24]!r}")
 
 
 def saved_config(name: str, make) -> str:

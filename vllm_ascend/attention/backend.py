@@ -18,13 +18,13 @@ from vllm.v1.attention.backend import (
     AttentionMetadataBuilder,
     AttentionType,
     CommonAttentionMetadata,
-    MultipleOf,
 )
 from vllm.forward_context import get_forward_context
 from vllm.v1.attention.backends.registry import register_backend
 from vllm.v1.kv_cache_interface import KVCacheLayout
 
 from vllm_ascend.attention.graph_params import GRAPH_STATE
+from vllm_ascend.attention.limits import BLOCK_SIZE_ALIGN, BLOCK_SIZE_BELOW
 from vllm_ascend.device import torch_npu
 
 BACKEND_NAME = "ASCEND"
@@ -246,7 +246,9 @@ class AscendAttentionBackend(AttentionBackend):
 
     @staticmethod
     def get_supported_kernel_block_sizes(kv_cache_spec=None):
-        return [MultipleOf(16)]  # FIA's paged-KV rule (a multiple of 16, below 512)
+        # FIA's paged-KV rule (F6: a multiple of 16, below 512), as sizes: vLLM reads a larger
+        # block (a hybrid model's, attention/hybrid.py) as the largest of them that divides it.
+        return list(range(BLOCK_SIZE_ALIGN, BLOCK_SIZE_BELOW, BLOCK_SIZE_ALIGN))
 
     @classmethod
     def get_preferred_block_size(cls, default_block_size: int) -> int:

@@ -50,7 +50,7 @@ def state_bytes(vllm_config) -> tuple[int, int]:
 def gdn_layout(vllm_config, block_sizes: tuple[int, int]) -> "HybridLayout | str":
     """The layout of ``vllm_config``'s model, or why its states do not fit one; paged
     attention takes block sizes that are multiples of ``block_sizes[0]`` below
-    ``block_sizes[1]`` (attention/limits.py)."""
+    ``block_sizes[1]`` (attention/limits.py), so a larger block is read in kernel blocks."""
     model, parallel = vllm_config.model_config, vllm_config.parallel_config
     _, dtypes = _state_shapes(vllm_config)
     conv, ssm = state_bytes(vllm_config)
@@ -65,11 +65,12 @@ def gdn_layout(vllm_config, block_sizes: tuple[int, int]) -> "HybridLayout | str
                 f"of {token} bytes (the two share the KV cache's slots)")
     block_size = ssm // token
     align, below = block_sizes
-    if block_size % align or block_size >= below:
+    if block_size % align:
         return (f"its attention blocks would hold {block_size} tokens (one recurrent state of "
                 f"{ssm} bytes over a token's K of {token} bytes), and paged attention takes "
-                f"multiples of {align} below {below} (F6); vllm-ascend "
-                "does not split a block into smaller kernel blocks yet")
+                f"multiples of {align} (F6)")
+    # (A block of `below` tokens or more is read by FIA as kernel blocks below it: vLLM splits
+    # the attention group's blocks by the backend's get_supported_kernel_block_sizes.)
     if conv > ssm:
         return f"a conv state of {conv} bytes does not fit a V block of {ssm} bytes"
     return HybridLayout(block_size, ssm)

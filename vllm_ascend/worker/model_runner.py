@@ -194,7 +194,7 @@ class NPUModelRunner(GPUModelRunner):
         context = kv_cache_allocation_context or contextlib.nullcontext()
         with context:
             raw = torch.zeros(sizes.pop(), dtype=torch.int8, device=self.device)
-        kv_caches = npu_kv_cache_views(raw, kv_cache_config)
+        kv_caches = npu_kv_cache_views(raw, kv_cache_config, kernel_block_sizes)
         for name, target in self.shared_kv_cache_layers.items():
             kv_caches[name] = kv_caches[target]
         bind_kv_cache(kv_caches, self.compilation_config.static_forward_context, self.kv_caches,
@@ -210,16 +210,19 @@ class NPUModelRunner(GPUModelRunner):
             for name in group.layer_names:
                 cache = context[name].kv_cache
                 if isinstance(cache, tuple):  # a GDN layer's (conv, recurrent) [blocks, ...]
-                    self._kv_zero_views += [(view, 0) for view in cache]
-                else:  # attention's [2, blocks, ...]
-                    self._kv_zero_views.append((cache, 1))
+                    self._kv_zero_views += [(view, 0, 1) for view in cache]
+                else:  # attention's [2, kernel blocks, ...]: one block is `split` of them
+                    split = group.kv_cache_spec.block_size // cache.shape[2]
+                    self._kv_zero_views.append((cache, 1, split))
 
     def _zero_block_ids(self, block_ids: list[int]) -> None:
         if not block_ids or not getattr(self, "_kv_zero_views", None):
             return
         ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        for view, dim in self._kv_zero_views:
-            view.index_fill_(dim, ids, 0)
+        for view, dim, split in self._kv_zero_views:
+            kernel_ids = ids if split == 1 else (
+                ids[:, None] * split + torch.arange(split, device=self.device)).flatten()
+            view.index_fill_(dim, kernel_ids, 0)
 
     def capture_model(self) -> int:
         """Capture every (mode, batch descriptor) the dispatcher asks for, largest first.
