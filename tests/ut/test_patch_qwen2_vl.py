@@ -32,6 +32,7 @@ print("IMPORTED", Qwen3_5ForCausalLM.__name__, Qwen3_5MoeForCausalLM.__name__)
 """
 
 
+@pytest.mark.slow  # a fresh interpreter importing vLLM: the full tier
 @pytest.mark.timeout(180)
 @pytest.mark.skipif(importlib.util.find_spec("torchvision") is not None,
                     reason="torchvision is installed here: transformers' module imports")
