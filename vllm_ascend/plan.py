@@ -319,12 +319,11 @@ def state_plan(vllm_config) -> "StatePlan | None":
                      block_size=layout.block_size, group_size=group)
 
 
-def kv_block_bytes(vllm_config) -> int:
-    """One KV cache block of every attention layer this rank holds (of a hybrid model's: of
-    every KV cache tensor, each a page of an attention layer's K and V, or of a GDN layer's
-    states)."""
+def kv_block_bytes(vllm_config, states: "StatePlan | None") -> int:
+    """One KV cache block of every attention layer this rank holds (of a hybrid model's, whose
+    ``states`` are given: of every KV cache tensor, each a page of an attention layer's K and V,
+    or of a GDN layer's states)."""
     model, parallel = vllm_config.model_config, vllm_config.parallel_config
-    states = state_plan(vllm_config)
     if states is not None:
         return states.group_size * 2 * states.recurrent
     block = vllm_config.cache_config.block_size
@@ -349,8 +348,8 @@ def memory_plan(vllm_config, device_total: int, graphs: GraphPlan, per_layer: in
     if weights is not None and draft is not None and draft.model != model.model:
         drafter = checkpoint_weights(draft, parallel, parallel.pipeline_parallel_size - 1)
         weights = None if drafter is None else weights + drafter
-    block_bytes = kv_block_bytes(vllm_config)
     states = state_plan(vllm_config)
+    block_bytes = kv_block_bytes(vllm_config, states)
     block = vllm_config.cache_config.block_size if states is None else states.block_size
     return MemoryPlan(
         total=device_total,

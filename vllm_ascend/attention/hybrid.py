@@ -40,9 +40,9 @@ def _state_shapes(vllm_config) -> tuple:
             model_cls.get_mamba_state_dtype_from_config(vllm_config))
 
 
-def state_bytes(vllm_config) -> tuple[int, int]:
+def state_bytes(vllm_config, shapes_and_dtypes: "tuple | None" = None) -> tuple[int, int]:
     """A GDN layer's (conv, recurrent) state bytes for one request."""
-    shapes, dtypes = _state_shapes(vllm_config)
+    shapes, dtypes = shapes_and_dtypes or _state_shapes(vllm_config)
     conv, ssm = (math.prod(s) * d.itemsize for s, d in zip(shapes, dtypes))
     return conv, ssm
 
@@ -52,8 +52,8 @@ def gdn_layout(vllm_config, block_sizes: tuple[int, int]) -> "HybridLayout | str
     attention takes block sizes that are multiples of ``block_sizes[0]`` below
     ``block_sizes[1]`` (attention/limits.py), so a larger block is read in kernel blocks."""
     model, parallel = vllm_config.model_config, vllm_config.parallel_config
-    _, dtypes = _state_shapes(vllm_config)
-    conv, ssm = state_bytes(vllm_config)
+    shapes, dtypes = _state_shapes(vllm_config)
+    conv, ssm = state_bytes(vllm_config, (shapes, dtypes))
     if dtypes[1] != torch.bfloat16:
         return (f"recurrent states in {str(dtypes[1]).removeprefix('torch.')}: "
                 "npu_recurrent_gated_delta_rule updates bfloat16 states only on an Atlas A2/A3 "
@@ -64,13 +64,13 @@ def gdn_layout(vllm_config, block_sizes: tuple[int, int]) -> "HybridLayout | str
         return (f"a recurrent state of {ssm} bytes is not a whole number of attention tokens "
                 f"of {token} bytes (the two share the KV cache's slots)")
     block_size = ssm // token
-    align, below = block_sizes
+    align = block_sizes[0]
     if block_size % align:
         return (f"its attention blocks would hold {block_size} tokens (one recurrent state of "
                 f"{ssm} bytes over a token's K of {token} bytes), and paged attention takes "
                 f"multiples of {align} (F6)")
-    # (A block of `below` tokens or more is read by FIA as kernel blocks below it: vLLM splits
-    # the attention group's blocks by the backend's get_supported_kernel_block_sizes.)
+    # (A block of block_sizes[1] tokens or more is read by FIA as kernel blocks below it: vLLM
+    # splits the attention group's blocks by the backend's get_supported_kernel_block_sizes.)
     if conv > ssm:
         return f"a conv state of {conv} bytes does not fit a V block of {ssm} bytes"
     return HybridLayout(block_size, ssm)
