@@ -315,11 +315,20 @@ def _tiny_config(family: str, dtype: str = "float32", **overrides):
 def config_only_dir(family: str, **overrides) -> str:
     """A checkpoint directory of the tiny ``family`` model's config with ``overrides`` and its
     tokenizer, without weights: for what vLLM and the plugin decide from the config alone."""
-    name = "-".join(f"{k}{v}" for k, v in sorted(overrides.items()))
-    path = CACHE / "models" / f"config-{family}-{name}"
-    if not (path / "config.json").exists():
+    def make():
         config, tok = _tiny_config(family, **overrides)
         config.architectures = [TINY_FAMILIES[family][1]]
+        return config, tok
+    name = "-".join(f"{k}{v}" for k, v in sorted(overrides.items()))
+    return saved_config_dir(f"config-{family}-{name}", make)
+
+
+def saved_config_dir(name: str, make) -> str:
+    """A checkpoint directory ``name`` of the config and tokenizer ``make()`` gives, without
+    weights (made once in the model cache)."""
+    path = CACHE / "models" / name
+    if not (path / "config.json").exists():
+        config, tok = make()
         tmp = path.with_suffix(".tmp")
         config.save_pretrained(tmp)
         tok.save_pretrained(tmp)

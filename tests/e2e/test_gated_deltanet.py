@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from scripts.models import config_only_dir
+from scripts.models import config_only_dir, saved_config_dir
 from tests.e2e import test_families
 from tests.e2e.conftest import (check_identical, check_logprobs_close, engine, hf_greedy,
                                 model_path, plan_command, platform_log, PROMPTS, replays,
@@ -104,20 +104,6 @@ def test_blocks_of_512_tokens_are_read_as_kernel_blocks_close_to_hf():
         check_identical(eager, graph, f"{family} FULL_AND_PIECEWISE {prompt[:24]!r}")
 
 
-def saved_config(name: str, make) -> str:
-    """A checkpoint directory ``name`` of the config and tokenizer ``make()`` gives, without
-    weights (made once in the model cache)."""
-    from scripts.models import CACHE
-    path = CACHE / "models" / name
-    if not (path / "config.json").exists():
-        config, tok = make()
-        tmp = path.with_suffix(".tmp")
-        config.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        tmp.rename(path)
-    return str(path)
-
-
 def qwen3_5_3_to_1_config_dir() -> str:
     """The tiny Qwen3.5's config with three GDN layers to one attention layer, as published
     (without weights: vLLM's dummy load)."""
@@ -128,7 +114,7 @@ def qwen3_5_3_to_1_config_dir() -> str:
             "linear_attention", "linear_attention", "linear_attention", "full_attention"])
         config.architectures = ["Qwen3_5ForCausalLM"]
         return config, tok
-    return saved_config("config-qwen3_5-3to1", make)
+    return saved_config_dir("config-qwen3_5-3to1", make)
 
 
 @pytest.mark.slow
@@ -171,7 +157,7 @@ def qwen3_5_vl_config_dir() -> str:
             "out_hidden_size": 128})
         config.architectures = ["Qwen3_5ForConditionalGeneration"]
         return config, tok
-    return saved_config("config-qwen3_5-vl", make)
+    return saved_config_dir("config-qwen3_5-vl", make)
 
 
 def test_qwen3_5s_images_are_refused_in_the_front_end_and_its_text_model_is_not():
